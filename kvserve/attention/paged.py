@@ -1,0 +1,102 @@
+"""Fast paged attention on PyTorch's fused ``scaled_dot_product_attention``.
+
+Grouped-query attention without repeating K/V: the ``G = num_heads / num_kv_heads`` query heads that
+share a KV head are laid out as extra rows of that KV head's query, so each K/V byte is read once per
+step. Decode (one query token) and prefill (many) take separate paths; both are checked against
+:mod:`kvserve.attention.reference`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.metadata import AttentionMetadata
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new K/V rows. k, v: [num_tokens, num_kv_heads, head_dim];
+    caches: [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of this step's queries over each sequence's cached K/V.
+
+    q: [num_tokens, num_heads, head_dim]; k, v: this step's new [num_tokens, num_kv_heads, head_dim]
+    (already written to the cache; used directly when a sequence has no earlier context).
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = _decode(q[:nd], key_cache, value_cache, meta, scale)
+    for s in range(nd, meta.num_seqs):
+        start = _start(meta, s)
+        qlen, slen = meta.query_lens_list[s], meta.seq_lens_list[s]
+        if slen == qlen:  # no earlier context: attend to the fresh K/V
+            ks, vs = k[start:start + qlen], v[start:start + qlen]
+        else:
+            ks, vs = _gather(key_cache, meta.block_tables[s], slen), _gather(value_cache, meta.block_tables[s], slen)
+        out[start:start + qlen] = _prefill(q[start:start + qlen], ks, vs, scale)
+    return out
+
+
+def _start(meta: AttentionMetadata, s: int) -> int:
+    return sum(meta.query_lens_list[:s])
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len, num_kv_heads, head_dim] from one sequence's blocks."""
+    bs = cache.shape[1]
+    nb = -(-seq_len // bs)
+    blocks = cache.index_select(0, block_table[:nb])  # [nb, bs, Hkv, d]
+    return blocks.view(nb * bs, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [L, H, d]; k, v: [S, Hkv, d] with S >= L (the last L keys are the queries' own)."""
+    L, H, d = q.shape
+    S, Hkv = k.shape[0], k.shape[1]
+    G = H // Hkv
+    qg = q.view(L, Hkv, G, d).permute(1, 2, 0, 3)  # [Hkv, G, L, d]
+    kg = k.permute(1, 0, 2)[:, None].expand(Hkv, G, S, d)  # stride-0 view: no copy of K
+    vg = v.permute(1, 0, 2)[:, None].expand(Hkv, G, S, d)
+    qg, kg, vg = _same_dtype(qg, kg, vg)
+    if S == L:
+        o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)
+    else:
+        ctx = S - L
+        mask = torch.arange(S, device=q.device)[None, :] <= (ctx + torch.arange(L, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+    return o.to(q.dtype).permute(2, 0, 1, 3).reshape(L, H, d)  # [L, Hkv, G, d] -> [L, H, d]
+
+
+def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [B, H, d], one token per sequence; returns [B, H, d]."""
+    B, H, d = q.shape
+    Hkv, bs = key_cache.shape[2], key_cache.shape[1]
+    G = H // Hkv
+    seq_lens = meta.seq_lens_list[:B]
+    max_len = max(seq_lens)
+    nb = -(-max_len // bs)
+    table = meta.block_tables[:B, :nb].reshape(-1)
+    kb = key_cache.index_select(0, table).view(B, nb * bs, Hkv, d).transpose(1, 2)  # [B, Hkv, S, d]
+    vb = value_cache.index_select(0, table).view(B, nb * bs, Hkv, d).transpose(1, 2)
+    qg = q.view(B, Hkv, G, d)  # the G query heads of a KV head become G query rows
+    qg, kb, vb = _same_dtype(qg, kb, vb)
+    mask = None
+    if B > 1 or max_len != nb * bs:
+        mask = (torch.arange(nb * bs, device=q.device)[None, :] < meta.seq_lens[:B, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=scale)  # [B, Hkv, G, d]
+    return o.to(q.dtype).reshape(B, H, d)
+
+
+def _same_dtype(q, k, v):
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    return q, k, v

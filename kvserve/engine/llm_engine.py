@@ -1,0 +1,235 @@
+"""``add_request`` / ``step`` / ``abort_request``: schedule → run → update, nothing else.
+
+Policy lives in the scheduler, tensors in the model runner, text in the detokenizer. The engine
+wires them, fans an ``n > 1`` request out into ``n`` sequences and gathers their outputs back.
+"""
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.config import EngineConfig, ModelConfig
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.scheduler import Scheduler
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.kv_cache.spec import KVCacheSpec
+from kvserve.metrics.step_stats import StepStats, weight_bytes_of
+from kvserve.metrics.timeline import RequestTimeline, now
+from kvserve.models.catalog import ModelSource, resolve_model
+from kvserve.models.loader import load_checkpoint
+from kvserve.models.registry import build_model
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import InvalidRequestError, SamplingParams
+
+
+class PromptTooLongError(InvalidRequestError):
+    """Prompt (+ max_tokens) does not fit in the context length."""
+
+
+@dataclass(slots=True)
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    num_sent_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)
+
+
+class LLMEngine:
+    """The engine. Single-threaded: callers serialise ``add_request``/``step``/``abort_request``."""
+
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        self.config = config.validate()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.dummy_config is not None:  # an explicit shape with random weights
+            source = ModelSource("dummy", None, config.dummy_config.name, config.dummy_config)
+        else:
+            source = resolve_model(config.model, config.load_format)
+        ckpt = load_checkpoint(source, seed=config.seed, progress=progress, tokenizer=config.tokenizer)
+        self.model_config: ModelConfig = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        self.model_name = source.name
+        self.dtype = config.torch_dtype
+        self.model = build_model(ckpt.config, self.dtype, ckpt.weights, seed=config.seed)
+        self.max_model_len = self._resolve_max_model_len()
+        kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else getattr(torch, config.cache.kv_cache_dtype)
+        self.kv_spec = KVCacheSpec.from_model(ckpt.config, kv_dtype, config.cache.block_size)
+        num_blocks = self._resolve_num_blocks()
+        self.kv_spec.check_fits(num_blocks, self.max_model_len)
+        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv_spec, num_blocks)
+        self.weight_bytes_per_step, self._embedding_row_bytes = weight_bytes_of(self.model)
+        self.step_stats: deque[StepStats] = deque(maxlen=100_000)
+        self._parents: dict[str, _Parent] = {}
+        self._pending: list[RequestOutput] = []
+        self._rng = random.Random(config.seed)
+        self._step = 0
+
+    # ------------------------------------------------------------------ setup helpers
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        want = self.config.scheduler.max_model_len or limit
+        if want > limit:
+            from kvserve.config import ConfigError
+            raise ConfigError(f"max_model_len ({want}) exceeds the model's context length ({limit})")
+        return want
+
+    def _resolve_num_blocks(self) -> int:
+        c = self.config.cache
+        if c.num_blocks is not None:
+            return c.num_blocks
+        return max(1, self.kv_spec.num_blocks_for(c.kv_cache_memory_bytes or c.DEFAULT_MEMORY_BYTES))
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_manager.pool.num_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, timeline: RequestTimeline | None = None) -> None:
+        """Queue a request (``params.n`` sequences). Raises InvalidRequestError (param named) for an
+        empty prompt, token ids outside the vocabulary, or prompt + max_tokens > max_model_len."""
+        if request_id in self._parents:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
+        self._validate_prompt(prompt_token_ids, params)
+        timeline = timeline or RequestTimeline()
+        if timeline.tokenized is None:
+            timeline.tokenized = now()
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_token_ids)
+        children, detoks = [], []
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}-{i}"
+            tl = timeline if i == 0 else RequestTimeline(arrival=timeline.arrival, tokenized=timeline.tokenized)
+            seed = params.seed + i if params.seed is not None else self._rng.randrange(2**62)
+            req = Request(rid, prompt_token_ids, params, max_tokens, self.model_config.eos_token_ids, tl,
+                          prompt=prompt, parent_id=request_id, index=i,
+                          generator=torch.Generator().manual_seed(seed))
+            children.append(req)
+            detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params))
+        parent = _Parent(request_id, prompt, list(prompt_token_ids), children, detoks, [0] * params.n)
+        self._parents[request_id] = parent
+        if max_tokens == 0:  # nothing to generate: finish without touching the model
+            for req in children:
+                req.status = RequestStatus.FINISHED_LENGTH
+                req.timeline.finished = now()
+            self._pending.append(self._make_output(parent))
+            del self._parents[request_id]
+            return
+        for req in children:
+            self.scheduler.add_request(req)
+
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("prompt must contain at least one token", "prompt")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})", "prompt")
+        n, limit = len(ids), self.max_model_len
+        if n >= limit:
+            raise PromptTooLongError(f"prompt has {n} tokens but the context length (max_model_len) is "
+                                     f"{limit}: at most {limit - 1} prompt tokens leave room for one "
+                                     f"output token", "prompt")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise PromptTooLongError(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                                     f"{n + params.max_tokens} exceeds the context length "
+                                     f"(max_model_len) of {limit} tokens", "max_tokens")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (all its ``n`` sequences) at any time; blocks return to the pool now."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return None
+        t = now()
+        for req in parent.children:
+            if not req.is_finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
+                req.timeline.finished = t
+        return self._make_output(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents) or bool(self._pending)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """One schedule → execute → update round. Returns an output for every request that got new
+        tokens or finished in this step."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        t0 = now()
+        result = self.runner.execute(sched)
+        wall = now() - t0
+        self._record_step(sched, t0, wall)
+        updated = self.scheduler.update(sched, result)
+        touched: dict[str, _Parent] = {}
+        for req in updated:
+            parent = self._parents[req.parent_id]
+            self._detokenize(parent, req)
+            touched[parent.request_id] = parent
+        for parent in touched.values():
+            outputs.append(self._make_output(parent))
+            if parent.finished:
+                del self._parents[parent.request_id]
+        return outputs
+
+    def _detokenize(self, parent: _Parent, req: Request) -> None:
+        detok = parent.detoks[req.index]
+        stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
+        new_ids = [] if stopped_by_token else req.output_token_ids[-1:]
+        t = now()
+        stop = detok.update(new_ids, req.num_output_tokens)
+        t_done = now()
+        req.timeline.detokenize_s += t_done - t
+        if stop is not None and not stopped_by_token:
+            if not req.is_finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            req.status = RequestStatus.FINISHED_STOPPED  # a stop string wins over length on the same token
+            req.stop_reason = stop
+        req.timeline.token_times.append(t_done)
+        if req.is_finished:
+            req.timeline.finished = now()
+
+    def _record_step(self, sched, t0: float, wall: float) -> None:
+        num_tokens = sched.num_tokens
+        seq_lens = [s.num_computed_tokens + s.num_scheduled_tokens for s in sched.scheduled]
+        self._step += 1
+        self.step_stats.append(StepStats(
+            step=self._step, start_s=t0, wall_s=wall, num_seqs=len(sched.scheduled), num_tokens=num_tokens,
+            num_decode_tokens=sum(1 for s in sched.scheduled if s.num_scheduled_tokens == 1),
+            weight_bytes=self.weight_bytes_per_step + num_tokens * self._embedding_row_bytes,
+            kv_bytes_read=sum(seq_lens) * self.kv_spec.bytes_per_token,
+            kv_bytes_per_token=self.kv_spec.bytes_per_token,
+            request_ids=tuple(s.request.request_id for s in sched.scheduled)))
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        outs = []
+        for i, (req, detok) in enumerate(zip(parent.children, parent.detoks)):
+            finished = req.is_finished
+            sent = parent.num_sent_tokens[i]
+            parent.num_sent_tokens[i] = req.num_output_tokens
+            outs.append(CompletionOutput(
+                index=req.index, text=detok.output_text, token_ids=list(req.output_token_ids),
+                finish_reason=req.finish_reason.value if finished else None, stop_reason=req.stop_reason,
+                logprobs=list(req.logprobs) if req.logprobs is not None else None,
+                delta_text=detok.take_delta(finished), delta_token_ids=req.output_token_ids[sent:],
+                latency=req.timeline.breakdown(req.num_prompt_tokens, req.num_preemptions) if finished else None))
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
+                             finished=parent.finished)

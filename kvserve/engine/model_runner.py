@@ -1,0 +1,66 @@
+"""Turns a SchedulerOutput into batch tensors, runs the model, samples.
+
+Owns the KV cache tensors: per layer a pair ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Builds ``input_ids``, ``positions``, ``slot_mapping``, ``block_tables``, ``seq_lens`` and
+``query_start_loc``; computes logits only for sequences that sample this step. Decides nothing
+about who runs.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention import AttentionMetadata
+from kvserve.engine.sampler import Sampler, SamplingRow
+from kvserve.engine.scheduler import RunnerOutput, SchedulerOutput
+from kvserve.kv_cache.spec import KVCacheSpec
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_spec: KVCacheSpec, num_blocks: int,
+                 device: torch.device | str = "cpu"):
+        self.model = model
+        self.kv_spec = kv_spec
+        self.device = torch.device(device)
+        self.num_blocks = num_blocks
+        shape = (num_blocks, kv_spec.block_size, kv_spec.num_kv_heads, kv_spec.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=kv_spec.dtype, device=self.device),
+                           torch.zeros(shape, dtype=kv_spec.dtype, device=self.device))
+                          for _ in range(kv_spec.num_layers)]
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        if sched.is_empty:
+            return RunnerOutput()
+        input_ids, positions, meta = self._prepare(sched)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        sample_idx = [i for i, s in enumerate(sched.scheduled) if s.sample]
+        if not sample_idx:
+            return RunnerOutput()
+        last_token = meta.query_start_loc[1:] - 1  # [num_seqs] index of each sequence's last token
+        logits = self.model.compute_logits(hidden[last_token[sample_idx]])  # [N, vocab]
+        rows = [self._row(sched.scheduled[i].request) for i in sample_idx]
+        result = self.sampler(logits, rows)
+        out = RunnerOutput()
+        for i, tok, lp in zip(sample_idx, result.token_ids, result.logprobs):
+            out.sampled[sched.scheduled[i].request.request_id] = (tok, lp)
+        return out
+
+    def _prepare(self, sched: SchedulerOutput):
+        ids: list[int] = []
+        pos: list[int] = []
+        for s in sched.scheduled:
+            start, n = s.num_computed_tokens, s.num_scheduled_tokens
+            ids.extend(s.request.all_token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+        meta = AttentionMetadata.build(
+            [s.block_table for s in sched.scheduled], [s.num_computed_tokens for s in sched.scheduled],
+            [s.num_scheduled_tokens for s in sched.scheduled], self.kv_spec.block_size, self.device)
+        as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        return as_t(ids), as_t(pos), meta
+
+    @staticmethod
+    def _row(req) -> SamplingRow:
+        return SamplingRow(params=req.sampling_params, generator=req.generator,
+                           prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
+                           eos_token_ids=req.eos_token_ids)

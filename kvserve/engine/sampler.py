@@ -1,0 +1,225 @@
+"""Logits processors and per-request seeded sampling for one batch of logits rows.
+
+Order (as in vLLM): min_tokens suppression → repetition penalty → presence/frequency penalties →
+greedy argmax, or temperature → top-k → top-p → min-p → exponential-race sampling with each row's
+own ``torch.Generator``. Logprobs are always those of the RAW logits, before any processor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.outputs import TokenLogprobs
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one row of the logits batch.
+
+    ``generator``: the request's own RNG (seeded requests) on the logits' device, or ``None`` to draw
+    from torch's global RNG. ``eos_token_ids``: the tokens the engine treats as end-of-sequence; they
+    are set to -inf (together with ``params.stop_token_ids``) while
+    ``len(output_token_ids) < params.min_tokens``, whatever ``params.ignore_eos`` says — pass ``()``
+    to leave EOS alone.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One sampled token per row, and its logprobs (``None`` where ``params.logprobs is None``)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Stateless: ``Sampler()(logits, rows)`` → :class:`SamplerOutput`."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args:
+            logits: ``[num_rows, vocab_size]``, float32 or bfloat16 (cast to float32), any device.
+            rows: ``num_rows`` rows, in the order of ``logits``.
+        Returns:
+            :class:`SamplerOutput`; greedy rows (``params.greedy``) take the argmax of the processed
+            logits, ties broken by the lowest token id.
+        Raises:
+            ValueError: ``logits`` is not 2-D or its row count differs from ``len(rows)``.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [num_rows={len(rows)}, vocab_size], got {tuple(logits.shape)}")
+        raw = logits.float()
+        processed = apply_penalties(apply_min_tokens(raw.clone(), rows), rows)
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=raw.device)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if greedy:
+            token_ids[greedy] = processed[greedy].argmax(dim=-1)  # first max = lowest id on ties
+        if sampled:
+            sub_rows = [rows[i] for i in sampled]
+            probs = sampling_probs(processed[sampled], [r.params for r in sub_rows])
+            token_ids[sampled] = exponential_race(probs, [r.generator for r in sub_rows])
+        ids = token_ids.tolist()
+        return SamplerOutput(token_ids=ids, logprobs=compute_logprobs(raw, ids, rows))
+
+
+# ---------------------------------------------------------------------------------------- processors
+def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Set EOS and ``stop_token_ids`` to -inf in rows whose output is shorter than ``min_tokens``.
+
+    ``logits``: ``[num_rows, vocab]`` float32, modified in place and returned. Ids ≥ vocab are ignored.
+    """
+    vocab_size = logits.shape[1]
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) < row.params.min_tokens:
+            banned = [t for t in (*row.eos_token_ids, *row.params.stop_token_ids) if t < vocab_size]
+            if banned:
+                logits[i, banned] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (CTRL) then presence/frequency (OpenAI) penalties, vectorised over rows.
+
+    Repetition penalty ``p`` (Keskar et al. 2019, "CTRL", §4.1, with the sign fix used by HF/vLLM):
+    for every token SEEN IN THE PROMPT OR THE OUTPUT, ``logit > 0 → logit / p``,
+    ``logit < 0 → logit * p`` (so ``p > 1`` always makes a seen token less likely); ``p == 1`` is a no-op.
+    Presence/frequency (OpenAI API): for tokens seen IN THE OUTPUT ONLY, with ``count`` occurrences,
+    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
+
+    ``logits``: ``[num_rows, vocab]`` float32, modified in place and returned.
+    """
+    rep = [r.params.repetition_penalty for r in rows]
+    pres = [r.params.presence_penalty for r in rows]
+    freq = [r.params.frequency_penalty for r in rows]
+    use_rep = any(p != 1.0 for p in rep)
+    use_pf = any(p != 0.0 for p in pres) or any(f != 0.0 for f in freq)
+    if not (use_rep or use_pf):
+        return logits
+    device, vocab_size = logits.device, logits.shape[1]
+    output_counts = token_counts([r.output_token_ids for r in rows], vocab_size, device)
+    if use_rep:
+        prompt_counts = token_counts([r.prompt_token_ids for r in rows], vocab_size, device)
+        seen = (prompt_counts > 0) | (output_counts > 0)
+        penalty = torch.tensor(rep, dtype=logits.dtype, device=device).unsqueeze(1)  # [num_rows, 1]
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    if use_pf:
+        pres_t = torch.tensor(pres, dtype=logits.dtype, device=device).unsqueeze(1)
+        freq_t = torch.tensor(freq, dtype=logits.dtype, device=device).unsqueeze(1)
+        counts = output_counts.to(logits.dtype)
+        logits = logits - freq_t * counts - pres_t * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def token_counts(id_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Occurrence counts ``[len(id_lists), vocab_size]`` int32 via one ``scatter_add_``.
+
+    Rows are padded with the sentinel id ``vocab_size`` (an extra column, dropped at the end).
+    Raises ``RuntimeError`` (from torch) on an id outside ``[0, vocab_size]``.
+    """
+    max_len = max((len(ids) for ids in id_lists), default=0)
+    padded = torch.full((len(id_lists), max_len), vocab_size, dtype=torch.long)
+    for i, ids in enumerate(id_lists):
+        if ids:
+            padded[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    counts = torch.zeros(len(id_lists), vocab_size + 1, dtype=torch.int32, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones_like(padded, dtype=torch.int32, device=device))
+    return counts[:, :vocab_size]
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on non-greedy rows → probabilities ``[num_rows, vocab]``.
+
+    One stable descending sort per row (ties: lower id first), so top-k keeps exactly ``k`` tokens
+    (``k == 0``: off). Top-p (Holtzman et al. 2019, nucleus) keeps the smallest prefix of the sorted
+    distribution whose cumulative probability is ≥ ``top_p`` (always ≥ 1 token; ``top_p == 1``: off).
+    Min-p keeps tokens with ``prob ≥ min_p × max prob``. Masked tokens get probability exactly 0.
+    """
+    device, vocab_size = logits.device, logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    logits = logits / temperature.unsqueeze(1)
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(vocab_size, device=device).unsqueeze(0)  # [1, vocab]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+    sorted_logits = sorted_logits.masked_fill(positions >= top_k.unsqueeze(1), float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of strictly better tokens
+    drop = (mass_before >= top_p) & (top_p < 1.0)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    sorted_probs = sorted_probs.masked_fill(sorted_probs < min_p * sorted_probs[:, :1], 0.0)
+    return torch.zeros_like(sorted_probs).scatter_(1, sorted_ids, sorted_probs)
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. over the vocab.
+
+    This is an exact sample from ``probs`` (the Gumbel-max trick in exponential form:
+    ``argmin E_i / p_i`` of independent exponentials). Each seeded row draws its own ``q`` from its
+    own generator, so its tokens do not depend on what else shares the batch; unseeded rows share
+    one draw from the global RNG. ``probs``: ``[num_rows, vocab]`` float32 (rows need not be normalised).
+    Returns ``[num_rows]`` int64.
+    """
+    q = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        q[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            q[i].exponential_(generator=g)
+    q.clamp_(min=torch.finfo(q.dtype).tiny)  # exponential_ may return 0
+    return (probs / q).argmax(dim=-1)
+
+
+# ---------------------------------------------------------------------------------------- logprobs
+def compute_logprobs(raw_logits: torch.Tensor, token_ids: list[int],
+                     rows: list[SamplingRow]) -> list[TokenLogprobs | None]:
+    """Logprobs of the RAW model logits (``log_softmax`` before min_tokens, penalties, temperature…).
+
+    For each row with ``params.logprobs = k`` (may be 0): the sampled token's logprob; its ``rank`` =
+    1 + the number of tokens with a STRICTLY greater logprob (tied tokens share the better rank, so
+    the argmax has rank 1); and the top ``k`` tokens sorted by descending logprob (ties: lower id
+    first among those selected). ``None`` for rows with ``params.logprobs is None``.
+    """
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    logprobs = torch.log_softmax(raw_logits[wanted], dim=-1)  # [num_wanted, vocab]
+    chosen = torch.tensor([token_ids[i] for i in wanted], device=logprobs.device).unsqueeze(1)
+    chosen_lp = logprobs.gather(1, chosen)  # [num_wanted, 1]
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    max_k = max(rows[i].params.logprobs for i in wanted)
+    top_lp, top_ids = _sorted_topk(logprobs, max_k)
+    chosen_list, rank_list = chosen_lp.squeeze(1).tolist(), ranks.tolist()
+    top_lp_list, top_ids_list = top_lp.tolist(), top_ids.tolist()
+    for j, i in enumerate(wanted):
+        k = rows[i].params.logprobs
+        result[i] = TokenLogprobs(token_id=token_ids[i], logprob=chosen_list[j], rank=rank_list[j],
+                                  top_token_ids=top_ids_list[j][:k], top_logprobs=top_lp_list[j][:k])
+    return result
+
+
+def _sorted_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk`` along the last dim, then ordered by (value descending, id ascending). ``[n, k]`` each."""
+    if k == 0:
+        empty = values[:, :0]
+        return empty, empty.long()
+    top_vals, top_ids = values.topk(k, dim=-1)
+    by_id, order = top_ids.sort(dim=-1)
+    vals_by_id = top_vals.gather(1, order)
+    top_vals, order = vals_by_id.sort(dim=-1, descending=True, stable=True)
+    return top_vals, by_id.gather(1, order)

@@ -1,0 +1,179 @@
+"""One token-budget loop: continuous batching, chunked prefill, preemption by recompute.
+
+There is no prefill phase: each request has ``num_tokens`` and ``num_computed_tokens``, and each step
+gives some requests some of their missing tokens under ``max_num_batched_tokens``. Running requests
+go first (decodes need one token each); waiting ones are admitted while budget, ``max_num_seqs`` and
+free KV blocks allow. When a running request cannot get a block, the most recently admitted running
+request is preempted: its blocks are freed and it is recomputed later from its token ids, so no
+token is lost or repeated. Touches no tensors.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.config import SchedulerConfig
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.metrics.timeline import now
+from kvserve.outputs import TokenLogprobs
+from kvserve.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """``num_scheduled_tokens`` tokens of ``request`` starting at ``num_computed_tokens``;
+    ``sample`` is True when this chunk reaches the end of its known tokens (a new token follows)."""
+
+    request: Request
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_table: list[int]
+    sample: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes (1 token) first
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """Sampled token (and logprobs) per request id that had ``sample=True``."""
+
+    sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_ids:
+            self._schedule_waiting(out, budget)
+        out.scheduled.sort(key=lambda s: s.num_scheduled_tokens != 1)  # decodes first (stable)
+        t = now()
+        for s in out.scheduled:
+            if s.request.timeline.first_scheduled is None:
+                s.request.timeline.first_scheduled = t
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:  # nothing to compute (cannot happen while running; kept as a guard)
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(self._entry(req, n))
+                budget -= n
+                i += 1
+                continue
+            break  # req itself was preempted: every later request already was too
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+                break  # FCFS: don't let later requests jump ahead of one waiting for blocks
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._entry(req, n))
+            budget -= n
+
+    def _entry(self, req: Request, n: int) -> ScheduledRequest:
+        return ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_table(req.request_id),
+                                sample=req.num_computed_tokens + n == req.num_tokens)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_ids.append(req.request_id)
+        out.scheduled[:] = [s for s in out.scheduled if s.request is not req]
+
+    # ------------------------------------------------------------------ update
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish requests that hit EOS, a stop
+        token id, ``max_tokens`` or ``max_model_len``. Returns the requests that got a new token."""
+        updated = []
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_scheduled_tokens
+            if not s.sample or req.is_finished:
+                continue
+            token_id, logprobs = result.sampled[req.request_id]
+            req.append_token(token_id, logprobs)
+            updated.append(req)
+            status = self._check_stop(req, token_id)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+        return updated
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        p = req.sampling_params
+        if req.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token_id in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in p.stop_token_ids:
+                req.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request at any time; its blocks return to the pool immediately."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(request_id)
+        return req

@@ -1,0 +1,145 @@
+"""Offline Python API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` and ``.chat(messages)``.
+
+Tokenization (timed as part of each request's anatomy) and chat templates come from the model's
+own tokenizer (HF ``transformers``). ``stream`` yields outputs with text deltas as they are made.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Sequence
+
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.metrics.timeline import RequestTimeline, now
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import InvalidRequestError, SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Load a model and generate.
+
+    ``model``: a catalog name (default ``smollm2-135m``), a ``.gguf`` file, a HF directory, or a
+    dummy preset (``load_format="dummy"``). ``kv_cache_memory``: bytes or a size like ``"512MiB"``;
+    ``num_kv_blocks`` instead gives the pool in blocks. Raises ConfigError for bad settings.
+    """
+
+    def __init__(self, model: str = "smollm2-135m", *, dtype: str = "float32", load_format: str = "auto",
+                 seed: int = 0, block_size: int = 16, kv_cache_memory: int | str | None = None,
+                 num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_model_len: int = 0, dummy_config=None, num_threads: int = 0, progress: bool = True):
+        mem = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
+        config = EngineConfig(
+            model=model, dtype=dtype, load_format=load_format, seed=seed, dummy_config=dummy_config,
+            num_threads=num_threads,
+            cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=mem, num_blocks=num_kv_blocks),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len))
+        self.engine = LLMEngine(config, progress=progress)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------------ prompts
+    def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """Text → token ids with the tokenizer's own special-token rule; ids pass through."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                  "prompt")
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> str:
+        """Render messages with the model's chat template (text; tokenized without adding a BOS)."""
+        if not messages:
+            raise InvalidRequestError("messages must contain at least one message", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
+                raise InvalidRequestError(f"messages[{i}] must have a 'role' and a string 'content'",
+                                          f"messages[{i}]")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError("this model has no chat template; use generate() with a raw prompt",
+                                      "messages")
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message)
+
+    def encode_chat(self, messages: Sequence[Message], **kw) -> tuple[str, list[int]]:
+        text = self.apply_chat_template(messages, **kw)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ------------------------------------------------------------------ generation
+    def add(self, prompt: Prompt, params: SamplingParams, *, chat: bool = False, **chat_kw) -> str:
+        """Tokenize (timed) and queue one request; returns its request_id."""
+        timeline = RequestTimeline(arrival=now())
+        text, ids = self.encode_chat(prompt, **chat_kw) if chat else self.encode(prompt)
+        timeline.tokenized = now()
+        rid = str(next(self._ids))
+        self.engine.add_request(rid, ids, params, prompt=text, timeline=timeline)
+        return rid
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run all prompts to completion (continuous batching); outputs in the prompts' order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([(p, {}) for p in prompts], sampling_params, chat=False)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
+        """Like ``generate`` for conversations (one list of messages, or a list of them)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        kw = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        return self._run([(c, kw) for c in convs], sampling_params, chat=True)
+
+    def stream(self, prompt: Prompt | Sequence[Message], sampling_params: SamplingParams | None = None,
+               chat: bool = False) -> Iterator[RequestOutput]:
+        """Yield one RequestOutput per step that changed it (``delta_text`` is the new text)."""
+        rid = self.add(prompt, sampling_params or SamplingParams(), chat=chat)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request(rid)
+
+    def _run(self, items, sampling_params, chat: bool) -> list[RequestOutput]:
+        params = _per_prompt(sampling_params, len(items))
+        order = [self.add(p, sp, chat=chat, **kw) for (p, kw), sp in zip(items, params)]
+        done: dict[str, RequestOutput] = {}
+        try:
+            while len(done) < len(order):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        finally:
+            for rid in order:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+        return [done[r] for r in order]
+
+
+def _per_prompt(sp, n: int) -> list[SamplingParams]:
+    if sp is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    sp = list(sp)
+    if len(sp) != n:
+        raise InvalidRequestError(f"got {len(sp)} sampling_params for {n} prompts", "sampling_params")
+    return sp

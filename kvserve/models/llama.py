@@ -1,0 +1,176 @@
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2 with q/k/v bias).
+
+Reads top-down: config → attention → MLP → block → model. Tokens of all sequences in a step are
+flattened into one axis of ``num_tokens``; attention metadata is an argument, never global state.
+Q/K/V and gate/up projections are fused into one matmul each.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.attention import AttentionMetadata, paged_attention, write_kv
+from kvserve.config import ModelConfig
+from kvserve.models.rope import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, Hkv, d], same)
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019), computed in float32."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rope = rope
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.rope(positions, q.view(T, self.num_heads, self.head_dim))  # [T, H, d]
+        k = self.rope(positions, k.view(T, self.num_kv_heads, self.head_dim))  # [T, Hkv, d]
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, d]
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, d]
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions, x, kv_cache, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden_size]``;
+    ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` float32."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling_dict)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. KeyError names an unknown tensor;
+        ValueError reports missing ones."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target, offset = _fused_target(name, self.config)
+            if target is None:  # e.g. rotary inv_freq buffers, or lm_head of a tied model
+                continue
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            p = params[target]
+            with torch.no_grad():
+                rows = tensor.shape[0]
+                dst = p.data[offset:offset + rows] if offset is not None else p.data
+                if dst.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
+                dst.copy_(tensor)
+            loaded.add(f"{target}@{offset}")
+        missing = _expected_slots(self.config, params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def init_dummy_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random normal(0, std) matrices and unit norms, reproducible from ``seed``."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("layernorm.weight") or name == "norm.weight":
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+
+
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def _fused_target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
+    """HF name -> (our parameter name, row offset into a fused parameter or None)."""
+    if "rotary_emb" in name:
+        return None, None
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None, None
+    name = name.removeprefix("model.")
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _FUSED:
+            fused, idx = _FUSED[part]
+            parts[i] = fused
+            q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+            offsets = [0, q, q + kv] if fused == "qkv_proj" else [0, inter]
+            return ".".join(parts), offsets[idx]
+    return name, None
+
+
+def _expected_slots(cfg: ModelConfig, params: dict) -> set[str]:
+    slots = set()
+    for name in params:
+        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            slots |= {f"{name}@{o}" for o in (0, cfg.num_heads * cfg.head_dim,
+                                               (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim)}
+        elif name.endswith("gate_up_proj.weight"):
+            slots |= {f"{name}@0", f"{name}@{cfg.intermediate_size}"}
+        else:
+            slots.add(f"{name}@None")
+    return slots

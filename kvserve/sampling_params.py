@@ -1,0 +1,122 @@
+"""OpenAI-shaped sampling parameters for one request; validates itself.
+
+Invalid values raise :class:`InvalidRequestError` (a ``ValueError``) whose ``param`` names the field,
+so the server can map it to an OpenAI error object. Nothing here knows about HTTP.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request parameter is invalid. ``param`` is the offending field's name."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output tokens.
+
+    Greedy when ``temperature == 0`` (also ``top_k == 1``). ``top_k`` of 0 or -1 means off;
+    ``top_p`` must be in (0, 1] — ``top_p: 0`` is rejected, use ``temperature: 0`` for greedy.
+    ``repetition_penalty`` (CTRL, Keskar et al. 2019) divides positive logits and multiplies negative
+    ones of every token seen in the prompt or output; ``presence_penalty`` / ``frequency_penalty``
+    (OpenAI) subtract once / per occurrence for tokens seen in the output only.
+    ``max_tokens=None`` means "up to the context length". ``stop`` strings are matched on the
+    detokenized text and never returned; ``stop_token_ids`` end generation like EOS (the token's
+    text is not returned). ``logprobs=k`` returns the sampled token's logprob plus the top k.
+    ``seed`` makes sampling reproducible whatever else shares the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        _int_at_least("n", self.n, 1)
+        _number_in("temperature", self.temperature, 0.0, 2.0)
+        _number_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _int_at_least("top_k", self.top_k, 0)
+        _number_in("min_p", self.min_p, 0.0, 1.0)
+        _number_in("repetition_penalty", self.repetition_penalty, 0.0, float("inf"), low_open=True)
+        _number_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _number_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None and (not _is_int(self.seed)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.max_tokens is not None:
+            _int_at_least("max_tokens", self.max_tokens, 0)
+        _int_at_least("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError(f"stop must be a list of non-empty strings, got {s!r}", "stop")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {t!r}",
+                                          "stop_token_ids")
+        if self.logprobs is not None:
+            _int_at_least("logprobs", self.logprobs, 0)
+            if self.logprobs > _MAX_LOGPROBS:
+                raise InvalidRequestError(f"logprobs must be <= {_MAX_LOGPROBS}, got {self.logprobs}",
+                                          "logprobs")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def clone(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int_at_least(name: str, value, low: int) -> None:
+    if not _is_int(value):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name)
+    if value < low:
+        raise InvalidRequestError(f"{name} must be >= {low}, got {value}", name)
+
+
+def _number_in(name: str, value, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}", name)
+    bad_low = value <= low if low_open else value < low
+    if bad_low or value > high:
+        lo = "(" if low_open else "["
+        raise InvalidRequestError(f"{name} must be in {lo}{low}, {high}], got {value}", name)

@@ -1,0 +1,161 @@
+"""Engine behaviour on a tiny random-weight model: batch invariance, seeds, n, preemption, abort,
+chunked prefill, finish reasons, max_tokens edges, anatomy and step statistics."""
+import pytest
+
+from kvserve import InvalidRequestError, SamplingParams
+from tests.conftest import tiny_llm
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = ["The quick brown fox", "Hello", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18",
+           "Paris is the capital of", "A" * 40, "def f(x):\n    return", "日本語のテキスト", "🙂 emoji"]
+
+
+def _ids(outs):
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+def test_greedy_alone_equals_inside_mixed_batch(tiny):
+    alone = [tiny.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS[:3]]
+    mixed = [GREEDY, GREEDY, GREEDY,
+             SamplingParams(temperature=0.8, max_tokens=10, seed=1), SamplingParams(temperature=1.0, max_tokens=30),
+             SamplingParams(temperature=0, max_tokens=5, n=2), SamplingParams(top_p=0.5, max_tokens=17),
+             SamplingParams(temperature=0.7, top_k=5, max_tokens=3)]
+    outs = tiny.generate(PROMPTS, mixed)
+    assert [o.outputs[0].token_ids for o in outs[:3]] == alone
+
+
+def test_seeded_sample_independent_of_batch(tiny):
+    sp = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = tiny.generate("Once upon a time", sp)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=25, ignore_eos=True) for _ in range(5)]
+    outs = tiny.generate(["x y z", "Once upon a time", "abc", "q", "long " * 20, "z"], others[:1] + [sp] + others[1:])
+    assert outs[1].outputs[0].token_ids == alone
+    again = tiny.generate("Once upon a time", sp)[0].outputs[0].token_ids
+    assert again == alone
+    different = tiny.generate("Once upon a time", sp.clone(seed=99))[0].outputs[0].token_ids
+    assert different != alone
+
+
+def test_n_choices_indexed_and_greedy_identical(tiny):
+    out = tiny.generate("Hello there", SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 1
+    sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    a = [c.token_ids for c in tiny.generate("Hello there", sp)[0].outputs]
+    b = [c.token_ids for c in tiny.generate("Hello there", sp)[0].outputs]
+    assert a == b and len({tuple(x) for x in a}) > 1
+
+
+def test_preemption_gives_identical_tokens_and_frees_pool():
+    prompts = [f"request number {i} " + "word " * (10 + 7 * i) for i in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in range(7)]
+    params.append(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2))
+    ample = tiny_llm(max_model_len=256)
+    ref = _ids(ample.generate(prompts, params))
+    small = tiny_llm(max_model_len=256, num_kv_blocks=18, block_size=16)
+    got = small.generate(prompts, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert _ids(got) == ref
+    for o in got:
+        for c in o.outputs:
+            assert len(c.token_ids) == 40 and c.finish_reason == "length"
+    assert small.engine.kv_manager.num_free_blocks == small.engine.num_kv_blocks
+
+
+def test_chunked_prefill_matches_whole_prefill():
+    prompt = "chunk " * 100
+    whole = tiny_llm(max_num_batched_tokens=2048).generate(prompt, GREEDY)[0].outputs[0].token_ids
+    chunked_llm = tiny_llm(max_num_batched_tokens=16)
+    out = chunked_llm.generate([prompt, "short one"], GREEDY)
+    assert out[0].outputs[0].token_ids == whole
+    assert max(s.num_tokens for s in chunked_llm.engine.step_stats) <= 16
+
+
+def test_abort_returns_blocks(tiny):
+    eng = tiny.engine
+    free0 = eng.kv_manager.num_free_blocks
+    rid = tiny.add("abort me " * 30, SamplingParams(max_tokens=100, ignore_eos=True, n=2))
+    for _ in range(3):
+        eng.step()
+    assert eng.kv_manager.num_free_blocks < free0
+    out = eng.abort_request(rid)
+    assert out.finished and all(c.finish_reason == "abort" for c in out.outputs)
+    assert eng.kv_manager.num_free_blocks == free0
+    assert not eng.has_unfinished_requests()
+
+
+def test_max_tokens_edges(tiny):
+    zero = tiny.generate("hi", SamplingParams(max_tokens=0))[0].outputs[0]
+    assert zero.token_ids == [] and zero.text == "" and zero.finish_reason == "length"
+    one = tiny.generate("hi", SamplingParams(max_tokens=1, ignore_eos=True))[0].outputs[0]
+    assert len(one.token_ids) == 1 and one.finish_reason == "length"
+    n_prompt = len(tiny.tokenizer.encode("hi"))
+    with pytest.raises(InvalidRequestError) as e:
+        tiny.generate("hi", SamplingParams(max_tokens=512))
+    assert e.value.param == "max_tokens" and "512" in str(e.value) and str(n_prompt) in str(e.value)
+    # max_tokens=None means "up to the context length"
+    full = tiny_llm(max_model_len=40).generate("hi", SamplingParams(max_tokens=None, ignore_eos=True))[0].outputs[0]
+    assert len(full.token_ids) == 40 - n_prompt and full.finish_reason == "length"
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=-1)
+
+
+def test_bad_prompts_raise_named_errors(tiny):
+    with pytest.raises(InvalidRequestError) as e:
+        tiny.generate("", SamplingParams())
+    assert e.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as e:
+        tiny.generate([[5, 49152]], SamplingParams())
+    assert e.value.param == "prompt" and "49152" in str(e.value)
+    with pytest.raises(InvalidRequestError) as e:
+        tiny.generate([[1] * 600], SamplingParams(max_tokens=1))
+    assert "600" in str(e.value) and "512" in str(e.value)
+    assert tiny.generate("still alive", SamplingParams(max_tokens=2))[0].finished
+
+
+def test_stop_token_id_and_stop_string_finish_reasons(tiny):
+    base = tiny.generate("Stop here", GREEDY)[0].outputs[0]
+    k = 6
+    tok = base.token_ids[k]
+    first = base.token_ids.index(tok)
+    out = tiny.generate("Stop here", GREEDY.clone(stop_token_ids=[tok]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == tok
+    assert out.token_ids == base.token_ids[:first + 1]
+    # stop string spanning >= 2 tokens, derived from the greedy text
+    text = base.text
+    prefix = tiny.tokenizer.decode(base.token_ids[:3], skip_special_tokens=True)
+    span = tiny.tokenizer.decode(base.token_ids[3:6], skip_special_tokens=True)
+    i = text.find(span)
+    stop = text[i:i + len(span)]
+    assert len(prefix) >= 0 and stop
+    out = tiny.generate("Stop here", GREEDY.clone(stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == text[:i]
+    streamed = "".join(o.outputs[0].delta_text for o in tiny.stream("Stop here", GREEDY.clone(stop=[stop])))
+    assert streamed == text[:i]
+
+
+def test_latency_anatomy_adds_up(tiny):
+    out = tiny.generate("Time me", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    lat = out.latency
+    assert lat.num_output_tokens == 12 and len(lat.itl_ms) == 11
+    finishing = lat.e2e_ms - (lat.ttft_ms + sum(lat.itl_ms))
+    assert 0 <= finishing < 50, finishing
+    assert lat.tpot_ms == pytest.approx((lat.e2e_ms - lat.ttft_ms) / 11)
+    assert lat.ttft_ms >= lat.tokenize_ms + lat.queue_ms
+    assert min(lat.itl_ms) > 0
+
+
+def test_step_stats_bytes(tiny):
+    eng = tiny.engine
+    cfg = eng.model_config
+    # K and V, 2 layers, 2 KV heads, head_dim 16, float32: hand-computed
+    assert eng.kv_spec.bytes_per_token == 2 * 2 * 2 * 16 * 4 == 512
+    n_prompt = len(tiny.tokenizer.encode("count my bytes"))
+    eng.step_stats.clear()
+    tiny.generate("count my bytes", SamplingParams(max_tokens=4, ignore_eos=True))
+    steps = list(eng.step_stats)
+    assert [s.num_tokens for s in steps] == [n_prompt, 1, 1, 1]
+    assert [s.kv_bytes_read for s in steps] == [512 * (n_prompt + i) for i in range(4)]
+    params_bytes = cfg.num_params() * 4  # tied embeddings: the table is the LM head, read every step
+    assert steps[1].weight_bytes == params_bytes + cfg.hidden_size * 4
+    assert all(s.achieved_bytes_per_s > 0 for s in steps)

@@ -1,0 +1,193 @@
+"""Sampler tests against hand-computed values and plain-Python references."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve.engine.sampler import Sampler, SamplingRow, apply_penalties, sampling_probs
+from kvserve.sampling_params import SamplingParams
+
+
+def row(params: SamplingParams | None = None, prompt=(), output=(), eos=(), seed=None) -> SamplingRow:
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplingRow(params or SamplingParams(), gen, list(prompt), list(output), tuple(eos))
+
+
+# ------------------------------------------------------------------------------------ penalties
+def test_repetition_penalty_hand_computed():
+    logits = torch.tensor([[-2.0, 3.0, 1.0, -1.0]])
+    out = apply_penalties(logits.clone(), [row(SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1])])
+    # tokens 0 (prompt) and 1 (output) are seen: -2 → -4, 3 → 1.5; tokens 2, 3 unseen: unchanged
+    assert out.tolist() == [[-4.0, 1.5, 1.0, -1.0]]
+    same = apply_penalties(logits.clone(), [row(SamplingParams(repetition_penalty=1.0), prompt=[0], output=[1])])
+    assert same.tolist() == logits.tolist()
+
+
+def test_presence_frequency_penalty_hand_computed():
+    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    # token 3 only in the prompt → not penalised; token 1 ×3 → 1 - 0.75 - 0.5; token 2 ×1 → 1 - 0.25 - 0.5
+    out = apply_penalties(logits.clone(), [row(params, prompt=[3, 3], output=[1, 2, 1, 1])])
+    assert out.tolist() == [[1.0, -0.25, 0.25, 1.0]]
+
+
+def test_penalties_rowwise_in_a_batch():
+    logits = torch.tensor([[2.0, 2.0], [2.0, 2.0]])
+    rows = [row(SamplingParams(repetition_penalty=4.0), output=[0]), row(SamplingParams(), output=[0])]
+    assert apply_penalties(logits.clone(), rows).tolist() == [[0.5, 2.0], [2.0, 2.0]]
+
+
+# ------------------------------------------------------------------------------------ masks vs reference
+def reference_probs(logits: list[float], t: float, top_k: int, top_p: float, min_p: float) -> list[float]:
+    """Plain-Python temperature → top-k → top-p → min-p; ties by lower id."""
+    scaled = [x / t for x in logits]
+    order = sorted(range(len(scaled)), key=lambda i: (-scaled[i], i))
+    keep = set(order[:top_k] if top_k > 0 else order)
+    def softmax_over(kept):
+        m = max(scaled[i] for i in kept)
+        z = sum(math.exp(scaled[i] - m) for i in kept)
+        return {i: math.exp(scaled[i] - m) / z for i in kept}
+    probs = softmax_over(keep)
+    if top_p < 1.0:
+        cum, nucleus = 0.0, set()
+        for i in order:
+            if i not in keep:
+                continue
+            nucleus.add(i)
+            cum += probs[i]
+            if cum >= top_p:
+                break
+        keep = nucleus
+    probs = softmax_over(keep)
+    pmax = max(probs.values())
+    keep = {i for i in keep if probs[i] >= min_p * pmax}
+    probs = softmax_over(keep)
+    return [probs.get(i, 0.0) for i in range(len(logits))]
+
+
+@pytest.mark.parametrize("t,top_k,top_p,min_p", [
+    (1.0, 0, 1.0, 0.0), (1.0, 3, 1.0, 0.0), (0.7, 0, 0.8, 0.0), (1.3, 0, 1.0, 0.2),
+    (1.0, 4, 0.5, 0.1), (0.5, 2, 0.99, 0.0), (1.0, 0, 0.05, 0.0),
+])
+def test_masks_match_plain_python_reference(t, top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, generator=g)
+    logits[2, 5] = logits[2, 1]  # a tie
+    params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)
+    probs = sampling_probs(logits.clone(), [params] * 3)
+    for r in range(3):
+        ref = reference_probs(logits[r].tolist(), t, top_k, top_p, min_p)
+        got = probs[r] / probs[r].sum()
+        assert [p > 0 for p in got.tolist()] == [p > 0 for p in ref]  # same support
+        assert got.tolist() == pytest.approx(ref, abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------ greedy
+def test_greedy_equivalent_settings_agree_and_break_ties_low():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 50, generator=g)
+    logits[3, 7] = logits[3, 20] = logits[3].max() + 1.0  # tie: 7 must win
+    settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1),
+                SamplingParams(temperature=0.0, top_p=0.1)]
+    results = [Sampler()(logits, [row(p, seed=s) for s in range(4)]).token_ids for p in settings]
+    assert results[0] == results[1] == results[2] == logits.argmax(dim=-1).tolist()
+    assert results[0][3] == 7
+
+
+def test_bfloat16_logits_accepted():
+    logits = torch.tensor([[0.0, 5.0, 1.0]], dtype=torch.bfloat16)
+    assert Sampler()(logits, [row(SamplingParams(temperature=0.0))]).token_ids == [1]
+
+
+def test_bad_shape_raises():
+    with pytest.raises(ValueError, match="num_rows"):
+        Sampler()(torch.zeros(2, 5), [row()])
+
+
+# ------------------------------------------------------------------------------------ seeded sampling
+def run_seeded(steps_logits: list[torch.Tensor], companions: int) -> list[int]:
+    """Sample row 0 (seed 123) for several steps, with `companions` unseeded/other-seeded rows beside it."""
+    gen = torch.Generator().manual_seed(123)
+    others = [torch.Generator().manual_seed(1000 + i) if i % 2 else None for i in range(companions)]
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=123)
+    tokens = []
+    for step_logits in steps_logits:
+        extra = torch.randn(companions, step_logits.shape[0])
+        batch = torch.cat([extra[: companions // 2], step_logits[None], extra[companions // 2:]])
+        rows = [SamplingRow(SamplingParams(temperature=1.0), g, [], [], ()) for g in others]
+        rows.insert(companions // 2, SamplingRow(params, gen, [], list(tokens), ()))
+        tokens.append(Sampler()(batch, rows).token_ids[companions // 2])
+    return tokens
+
+
+def test_seeded_row_independent_of_batch_composition():
+    g = torch.Generator().manual_seed(7)
+    steps = [torch.randn(64, generator=g) for _ in range(12)]
+    alone, beside3, beside6 = run_seeded(steps, 0), run_seeded(steps, 3), run_seeded(steps, 6)
+    assert alone == beside3 == beside6
+    assert len(set(alone)) > 1  # it really sampled
+
+
+# Chi-square critical value for df = 7 at significance level α = 0.001: 24.322
+# (NIST/SEMATECH e-Handbook of Statistical Methods, §1.3.6.7.4, upper critical values of chi-square).
+CHI2_CRIT_DF7_ALPHA_0_001 = 24.322
+
+
+def test_sampling_matches_softmax_chi_square():
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.3, 1.2])
+    n = 20000
+    batch = logits.repeat(n, 1)
+    torch.manual_seed(2024)
+    tokens = Sampler()(batch, [row(SamplingParams(temperature=1.0)) for _ in range(n)]).token_ids
+    observed = torch.bincount(torch.tensor(tokens), minlength=8).double()
+    expected = torch.softmax(logits.double(), dim=0) * n
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_CRIT_DF7_ALPHA_0_001, (chi2, observed.tolist(), expected.tolist())
+
+
+# ------------------------------------------------------------------------------------ logprobs
+def test_logprobs_are_raw_log_softmax():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 40, generator=g)
+    params = [SamplingParams(temperature=0.0, logprobs=5, repetition_penalty=1.5),
+              SamplingParams(temperature=0.7, logprobs=0, seed=1),
+              SamplingParams(temperature=1.0)]
+    out = Sampler()(logits, [row(params[0], prompt=list(range(40))), row(params[1], seed=1), row(params[2])])
+    ref = torch.log_softmax(logits, dim=-1)
+    lp0, lp1, lp2 = out.logprobs
+    assert lp2 is None
+    assert lp1.top_token_ids == [] and lp1.top_logprobs == []
+    assert lp1.logprob == pytest.approx(ref[1, out.token_ids[1]].item(), abs=1e-6)
+    assert lp1.rank == int((ref[1] > ref[1, out.token_ids[1]]).sum()) + 1
+    assert lp0.top_token_ids == ref[0].argsort(descending=True)[:5].tolist()
+    assert lp0.top_logprobs == pytest.approx(ref[0].sort(descending=True).values[:5].tolist(), abs=1e-6)
+    assert lp0.top_logprobs == sorted(lp0.top_logprobs, reverse=True)
+    assert all(x <= 0 for x in lp0.top_logprobs)
+    assert lp0.top_token_ids[0] == int(logits[0].argmax())
+    # greedy on penalised logits (all tokens seen → all scaled) still picks argmax → rank 1, entry 0
+    assert lp0.token_id == out.token_ids[0] and lp0.rank == 1
+    assert lp0.logprob == pytest.approx(lp0.top_logprobs[0], abs=1e-6)
+
+
+def test_logprob_rank_with_ties():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
+    out = Sampler()(logits, [row(SamplingParams(temperature=0.0, logprobs=3))])
+    lp = out.logprobs[0]
+    assert out.token_ids == [1] and lp.rank == 1
+    assert lp.top_token_ids == [1, 2, 0]
+
+
+# ------------------------------------------------------------------------------------ min_tokens
+def test_min_tokens_suppresses_eos_and_stop_ids():
+    logits = torch.tensor([[0.0, 10.0, 9.0, 1.0]])  # 1 = EOS, 2 = stop id
+    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[2])
+    early = Sampler()(logits, [row(params, output=[3, 3], eos=(1,))])
+    assert early.token_ids == [3]
+    done = Sampler()(logits, [row(params, output=[3, 3, 3], eos=(1,))])
+    assert done.token_ids == [1]
+    # sampled rows too: EOS and stop id never drawn before min_tokens
+    sampled = SamplingParams(temperature=1.0, min_tokens=5, stop_token_ids=[2])
+    out = Sampler()(logits.repeat(200, 1), [row(sampled, eos=(1,)) for _ in range(200)])
+    assert set(out.token_ids) <= {0, 3}
