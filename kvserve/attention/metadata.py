@@ -29,6 +29,8 @@ class AttentionMetadata:
     query_lens_list: list[int]
     num_decodes: int
     block_size: int
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, S] bool, True = attend; None = all
+
 
     @property
     def num_seqs(self) -> int:
@@ -56,6 +58,19 @@ class AttentionMetadata:
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
         as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(slot_mapping=as_t(slots), block_tables=as_t(padded).view(len(padded), max_blocks),
+        meta = cls(slot_mapping=as_t(slots), block_tables=as_t(padded).view(len(padded), max_blocks),
                    seq_lens=as_t(seq_lens), query_start_loc=as_t(qsl), seq_lens_list=seq_lens,
                    query_lens_list=list(query_lens), num_decodes=num_decodes, block_size=block_size)
+        meta.decode_mask = meta._build_decode_mask()
+        return meta
+
+    def _build_decode_mask(self) -> torch.Tensor | None:
+        """Padding mask for the batched decode path, shared by all layers (None when not needed)."""
+        if not self.num_decodes:
+            return None
+        lens = self.seq_lens_list[:self.num_decodes]
+        span = -(-max(lens) // self.block_size) * self.block_size
+        if self.num_decodes == 1:  # the decode path slices one sequence to its exact length
+            return None
+        keys = torch.arange(span, device=self.seq_lens.device)
+        return (keys[None, :] < self.seq_lens[:self.num_decodes, None])[:, None, None, :]

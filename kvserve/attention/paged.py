@@ -77,7 +77,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
 
 def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [B, H, d], one token per sequence; returns [B, H, d]."""
+    """q: [B, H, d], one token per sequence; returns [B, H, d]. One sequence: its keys are sliced to
+    the exact length (no mask); several: padded to the longest with ``meta.decode_mask``."""
     B, H, d = q.shape
     Hkv, bs = key_cache.shape[2], key_cache.shape[1]
     G = H // Hkv
@@ -85,13 +86,12 @@ def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     max_len = max(seq_lens)
     nb = -(-max_len // bs)
     table = meta.block_tables[:B, :nb].reshape(-1)
-    kb = key_cache.index_select(0, table).view(B, nb * bs, Hkv, d).transpose(1, 2)  # [B, Hkv, S, d]
-    vb = value_cache.index_select(0, table).view(B, nb * bs, Hkv, d).transpose(1, 2)
+    span = max_len if B == 1 else nb * bs
+    kb = key_cache.index_select(0, table).view(B, nb * bs, Hkv, d)[:, :span].transpose(1, 2)  # [B, Hkv, S, d]
+    vb = value_cache.index_select(0, table).view(B, nb * bs, Hkv, d)[:, :span].transpose(1, 2)
     qg = q.view(B, Hkv, G, d)  # the G query heads of a KV head become G query rows
     qg, kb, vb = _same_dtype(qg, kb, vb)
-    mask = None
-    if B > 1 or max_len != nb * bs:
-        mask = (torch.arange(nb * bs, device=q.device)[None, :] < meta.seq_lens[:B, None])[:, None, None, :]
+    mask = None if B == 1 else meta.decode_mask
     o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=scale)  # [B, Hkv, G, d]
     return o.to(q.dtype).reshape(B, H, d)
 

@@ -93,6 +93,11 @@ class LLMEngine:
         return max(1, self.kv_spec.num_blocks_for(c.kv_cache_memory_bytes or c.DEFAULT_MEMORY_BYTES))
 
     @property
+    def num_steps(self) -> int:
+        """Steps run so far (``StepStats.step`` of the latest step)."""
+        return self._step
+
+    @property
     def num_kv_blocks(self) -> int:
         return self.kv_manager.pool.num_blocks
 

@@ -14,9 +14,10 @@ from torch import nn
 
 from kvserve.attention import AttentionMetadata, paged_attention, write_kv
 from kvserve.config import ModelConfig
-from kvserve.models.rope import RotaryEmbedding
+from kvserve.models.rope import RotaryEmbedding, apply_rope
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, Hkv, d], same)
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [num_tokens, 1, head_dim // 2]
 
 
 class RMSNorm(nn.Module):
@@ -32,23 +33,21 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.rope = rope
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rope(positions, q.view(T, self.num_heads, self.head_dim))  # [T, H, d]
-        k = self.rope(positions, k.view(T, self.num_kv_heads, self.head_dim))  # [T, Hkv, d]
-        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, d]
+    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        T, H, Hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) d]
+        qk = apply_rope(qkv[:, :(H + Hkv) * d].view(T, H + Hkv, d), *rope)  # q and k rotated together
+        q, k = qk.split([H, Hkv], dim=1)  # [T, H, d], [T, Hkv, d]
+        v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d)  # [T, Hkv, d]
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, d]
         return self.o_proj(o.reshape(T, self.q_size))
@@ -68,15 +67,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rope)
+        self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -87,17 +86,19 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling_dict)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                          cfg.rope_scaling_dict)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary_emb.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

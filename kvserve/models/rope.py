@@ -52,9 +52,14 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos = angles.cos().float().to(self.cos.device)
         self.sin = angles.sin().float().to(self.sin.device)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, num_heads, head_dim]; positions: [num_tokens] int64. Same shape out."""
-        cos = self.cos[positions][:, None, :].to(x.dtype)  # [T, 1, d/2]
-        sin = self.sin[positions][:, None, :].to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for ``positions`` [num_tokens] as [num_tokens, 1, head_dim // 2] in ``dtype``;
+        looked up once per step and shared by every layer."""
+        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [num_tokens, num_heads, head_dim] (may be a strided view);
+    cos, sin: [num_tokens, 1, head_dim // 2]. Returns a new contiguous tensor of x's shape."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

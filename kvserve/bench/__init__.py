@@ -1,0 +1,1 @@
+"""Benchmarks that print measured figures beside a peer or the memory roofline of the same run."""

@@ -1,0 +1,20 @@
+"""The machine's plain large-tensor read bandwidth: the roofline a memory-bound decode step is
+compared with in the same run."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Best-of-``repeats`` bytes/s for ``torch.sum`` over a float32 tensor of ``num_bytes`` bytes
+    (much larger than the last-level cache, so it streams from DRAM)."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    x.sum()  # touch the pages
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return num_bytes / best

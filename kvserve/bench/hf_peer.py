@@ -1,0 +1,49 @@
+"""HF transformers as a same-run peer: the same weights (it loads the same GGUF), the same dtype,
+its own KV cache (``DynamicCache``); greedy decode one token per forward, each step timed."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from kvserve.models.catalog import ModelSource
+
+
+def load_hf_peer(source: ModelSource, dtype: torch.dtype):
+    """AutoModelForCausalLM for a GGUF file or HF directory. ImportError if transformers/accelerate
+    are missing; ValueError for dummy models (HF has no weights for them)."""
+    from transformers import AutoModelForCausalLM
+
+    if source.kind == "gguf":
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(source.path),
+                                                    gguf_file=os.path.basename(source.path), dtype=dtype).eval()
+    if source.kind == "safetensors":
+        return AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).eval()
+    raise ValueError("--compare hf needs real weights (a GGUF file or HF directory), not a dummy model")
+
+
+class _TokenClock:
+    """A ``generate`` streamer that only timestamps: the first ``put`` is the prompt, then one per token."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def hf_latency(model, prompt_ids: list[int], output_tokens: int) -> dict:
+    """Batch-1 greedy ``generate`` (the way HF users run it; its own DynamicCache), EOS disabled.
+    Returns TTFT (call -> first token, no tokenization) and the gaps between tokens, in ms."""
+    ids = torch.tensor([prompt_ids])
+    clock = _TokenClock()
+    t0 = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_tokens,
+                   min_new_tokens=output_tokens, do_sample=False, streamer=clock, pad_token_id=0)
+    tokens = clock.times[1:]
+    return {"ttft_ms": (tokens[0] - t0) * 1e3, "itl_ms": [(b - a) * 1e3 for a, b in zip(tokens, tokens[1:])]}

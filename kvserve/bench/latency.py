@@ -1,0 +1,137 @@
+"""``kvserve bench latency``: batch-1 TTFT and ITL at several contexts, throughput at several
+concurrencies, each beside the plain-read roofline measured in the same run and, optionally, HF
+transformers on the same weights."""
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+from kvserve.bench.bandwidth import measure_read_bandwidth
+from kvserve.metrics.stats import mean, percentile
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ContextResult:
+    context_tokens: int
+    ttft_ms: float
+    itl_mean_ms: float
+    itl_p50_ms: float
+    itl_p90_ms: float
+    decode_bytes_per_step: float
+    achieved_gb_per_s: float
+    roofline_itl_ms: float
+    hf_ttft_ms: float | None = None
+    hf_itl_p50_ms: float | None = None
+
+
+@dataclass
+class ThroughputResult:
+    concurrency: int
+    prompt_tokens: int
+    output_tokens: int
+    wall_s: float
+    output_tokens_per_s: float
+    mean_ttft_ms: float
+    mean_itl_ms: float
+
+
+@dataclass
+class LatencyReport:
+    model: str
+    dtype: str
+    read_gb_per_s: float
+    contexts: list[ContextResult] = field(default_factory=list)
+    throughput: list[ThroughputResult] = field(default_factory=list)
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    """``n`` token ids drawn from the ordinary part of the vocabulary (ids 100 .. min(vocab, 30000))."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, min(vocab, 30000)) for _ in range(n)]
+
+
+def run_context(llm, ctx: int, output_tokens: int, read_bw: float) -> ContextResult:
+    eng = llm.engine
+    prompt = random_prompt(ctx, eng.vocab_size, seed=ctx)
+    sp = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    first = eng.num_steps + 1
+    lat = llm.generate([prompt], sp)[0].latency
+    decode = [s for s in eng.step_stats if s.step >= first and s.is_decode_only]
+    bytes_per_step = mean([s.total_bytes for s in decode])
+    achieved = sum(s.total_bytes for s in decode) / sum(s.wall_s for s in decode)
+    return ContextResult(ctx, lat.ttft_ms, lat.mean_itl_ms, lat.percentile_itl_ms(50), lat.percentile_itl_ms(90),
+                         bytes_per_step, achieved / 1e9, bytes_per_step / read_bw * 1e3)
+
+
+def run_concurrency(llm, c: int, prompt_tokens: int, output_tokens: int) -> ThroughputResult:
+    prompts = [random_prompt(prompt_tokens, llm.engine.vocab_size, seed=1000 + i) for i in range(c)]
+    sp = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    wall = time.perf_counter() - t0
+    lats = [o.latency for o in outs]
+    return ThroughputResult(c, prompt_tokens, output_tokens, wall, c * output_tokens / wall,
+                            mean([x.ttft_ms for x in lats]), mean([x.mean_itl_ms for x in lats]))
+
+
+def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency: list[int],
+                      conc_prompt_tokens: int, conc_output_tokens: int, compare_hf: bool) -> LatencyReport:
+    read_bw = measure_read_bandwidth()
+    eng = llm.engine
+    report = LatencyReport(eng.model_name, str(eng.dtype).removeprefix("torch."), read_bw / 1e9)
+    llm.generate([random_prompt(16, eng.vocab_size, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    for ctx in contexts:
+        report.contexts.append(run_context(llm, ctx, output_tokens, read_bw))
+    for c in concurrency:
+        report.throughput.append(run_concurrency(llm, c, conc_prompt_tokens, conc_output_tokens))
+    if compare_hf:
+        _add_hf(llm, report, output_tokens)
+    return report
+
+
+def _add_hf(llm, report: LatencyReport, output_tokens: int) -> None:
+    from kvserve.bench.hf_peer import hf_latency, load_hf_peer
+    from kvserve.models.catalog import resolve_model
+
+    eng = llm.engine
+    model = load_hf_peer(resolve_model(eng.config.model, eng.config.load_format), eng.dtype)
+    hf_latency(model, random_prompt(16, eng.vocab_size, 0), 4)  # warm-up
+    for r in report.contexts:
+        res = hf_latency(model, random_prompt(r.context_tokens, eng.vocab_size, seed=r.context_tokens), output_tokens)
+        r.hf_ttft_ms, r.hf_itl_p50_ms = res["ttft_ms"], percentile(res["itl_ms"], 50)
+
+
+def format_report(rep: LatencyReport) -> str:
+    lines = [f"kvserve bench latency — {rep.model} ({rep.dtype}); plain read bandwidth {rep.read_gb_per_s:.1f} GB/s",
+             "", "batch 1:",
+             f"{'context':>8} {'TTFT ms':>9} {'ITL p50':>8} {'ITL p90':>8} {'MB/step':>8} {'GB/s':>6} {'% read':>7} "
+             f"{'roofline ITL':>12}" + (f" {'HF TTFT':>9} {'HF ITL':>8} {'ITL ratio':>9}" if _has_hf(rep) else "")]
+    for r in rep.contexts:
+        line = (f"{r.context_tokens:>8} {r.ttft_ms:>9.1f} {r.itl_p50_ms:>8.2f} {r.itl_p90_ms:>8.2f} "
+                f"{r.decode_bytes_per_step / 1e6:>8.1f} {r.achieved_gb_per_s:>6.1f} "
+                f"{100 * r.achieved_gb_per_s / rep.read_gb_per_s:>6.0f}% {r.roofline_itl_ms:>10.2f} ms")
+        if r.hf_itl_p50_ms is not None:
+            line += f" {r.hf_ttft_ms:>9.1f} {r.hf_itl_p50_ms:>8.2f} {r.itl_p50_ms / r.hf_itl_p50_ms:>8.2f}x"
+        lines.append(line)
+    if rep.throughput:
+        lines += ["", "concurrency (greedy, ignore_eos):",
+                  f"{'requests':>8} {'prompt':>7} {'output':>7} {'wall s':>7} {'out tok/s':>10} {'vs batch 1':>10} "
+                  f"{'mean TTFT':>10} {'mean ITL':>9}"]
+        base = rep.throughput[0].output_tokens_per_s
+        for t in rep.throughput:
+            lines.append(f"{t.concurrency:>8} {t.prompt_tokens:>7} {t.output_tokens:>7} {t.wall_s:>7.2f} "
+                         f"{t.output_tokens_per_s:>10.1f} {t.output_tokens_per_s / base:>9.2f}x "
+                         f"{t.mean_ttft_ms:>8.1f} ms {t.mean_itl_ms:>6.2f} ms")
+    return "\n".join(lines)
+
+
+def _has_hf(rep: LatencyReport) -> bool:
+    return any(r.hf_itl_p50_ms is not None for r in rep.contexts)
+
+
+def save_json(rep: LatencyReport, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(asdict(rep), f, indent=2)

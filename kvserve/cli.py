@@ -1,0 +1,159 @@
+"""Command line: ``kvserve generate | chat | bench``.
+
+``generate`` streams an answer and then prints its latency anatomy; ``chat`` is an interactive
+session; ``bench latency`` measures batch-1 TTFT/ITL at several contexts and throughput under
+concurrency, beside a plain memory-read roofline and (``--compare hf``) HF transformers.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvserve.config import ConfigError
+from kvserve.sampling_params import InvalidRequestError, SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default="smollm2-135m",
+                   help="catalog name (smollm2-135m), .gguf file, HF directory, or dummy preset")
+    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    g.add_argument("--kv-cache-memory", default=None, help="KV cache budget in bytes, e.g. 512MiB (default 1GiB)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache budget in blocks instead")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-model-len", type=int, default=0, help="context limit (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    g.add_argument("--seed-engine", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=a.max_tokens, min_tokens=a.min_tokens, temperature=a.temperature,
+                          top_p=a.top_p, top_k=a.top_k, min_p=a.min_p, repetition_penalty=a.repetition_penalty,
+                          presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty, seed=a.seed,
+                          stop=a.stop, stop_token_ids=a.stop_token_ids, ignore_eos=a.ignore_eos)
+
+
+def build_llm(a: argparse.Namespace, progress: bool = True):
+    from kvserve.llm import LLM
+
+    return LLM(a.model, dtype=a.dtype, load_format=a.load_format, kv_cache_memory=a.kv_cache_memory,
+               num_kv_blocks=a.num_kv_blocks, block_size=a.block_size, max_model_len=a.max_model_len,
+               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+               num_threads=a.threads, seed=a.seed_engine, progress=progress)
+
+
+def model_header(llm) -> str:
+    eng = llm.engine
+    cfg = eng.model_config
+    return (f"  model {eng.model_name}: {cfg.num_layers} layers, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads "
+            f"x {cfg.head_dim}, {str(eng.dtype).removeprefix('torch.')}, weights {eng.weight_bytes_per_step / 1e6:.1f} MB "
+            f"read per step\n  KV cache {str(eng.kv_spec.dtype).removeprefix('torch.')}: "
+            f"{eng.kv_spec.bytes_per_token:,} B/token, {eng.num_kv_blocks} blocks x {eng.kv_spec.block_size} tokens")
+
+
+# ---------------------------------------------------------------------- generate / chat
+def cmd_generate(a: argparse.Namespace) -> int:
+    from kvserve.metrics.report import format_anatomy
+
+    llm = build_llm(a)
+    params = sampling_from_args(a)
+    chat = not a.raw and getattr(llm.tokenizer, "chat_template", None) is not None
+    prompt = [{"role": "user", "content": a.prompt}] if chat else a.prompt
+    if chat and a.system:
+        prompt.insert(0, {"role": "system", "content": a.system})
+    first_step = llm.engine.num_steps + 1
+    last = None
+    for out in llm.stream(prompt, params, chat=chat):
+        sys.stdout.write(out.outputs[0].delta_text)
+        sys.stdout.flush()
+        last = out
+    sys.stdout.write("\n")
+    c = last.outputs[0]
+    steps = [s for s in llm.engine.step_stats if s.step >= first_step]
+    print(format_anatomy(c.latency, steps, model_header(llm)), file=sys.stderr)
+    print(f"  finish_reason={c.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    llm = build_llm(a)
+    params = sampling_from_args(a)
+    messages = [{"role": "system", "content": a.system}] if a.system else []
+    print("kvserve chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        reply, last = "", None
+        for out in llm.stream(messages, params, chat=True):
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+            last = out
+        reply = last.outputs[0].text
+        lat = last.outputs[0].latency
+        print(f"\n  [TTFT {lat.ttft_ms:.0f} ms, {lat.num_output_tokens} tokens x ITL {lat.mean_itl_ms:.1f} ms, "
+              f"E2E {lat.e2e_ms:.0f} ms]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+# ---------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvserve", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="stream one answer, then its latency anatomy")
+    g.add_argument("prompt")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is (no chat template)")
+    g.add_argument("--system", default=None, help="system message (chat template only)")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat session")
+    c.add_argument("--system", default=None)
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+    from kvserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, InvalidRequestError) as e:
+        param = f" [{e.param}]" if getattr(e, "param", None) else ""
+        print(f"kvserve: error{param}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Human-readable latency anatomy: where one request's time went, and what each decode step read."""
+from __future__ import annotations
+
+from kvserve.metrics.stats import mean
+from kvserve.metrics.step_stats import StepStats
+from kvserve.outputs import LatencyBreakdown
+
+MB = 1e6
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_anatomy(lat: LatencyBreakdown, steps: list[StepStats], header: str = "",
+                   max_step_rows: int = 8) -> str:
+    """The anatomy of one request: TTFT and its parts, N × ITL, E2E, and the bytes each decode step
+    read (weights + KV growing with context) with achieved bandwidth. ``steps`` are the engine steps
+    this request took part in."""
+    finishing = lat.e2e_ms - lat.ttft_ms - sum(lat.itl_ms)
+    lines = ["", "── latency anatomy " + "─" * 50]
+    if header:
+        lines.append(header)
+    lines += [
+        f"  tokenize     {lat.tokenize_ms:9.2f} ms",
+        f"  queue        {lat.queue_ms:9.2f} ms",
+        f"  prefill      {lat.prefill_ms:9.2f} ms   ({lat.num_prompt_tokens} prompt tokens)",
+        f"  TTFT         {lat.ttft_ms:9.2f} ms   (arrival -> first token: tokenize + queue + prefill)",
+    ]
+    n = lat.num_output_tokens
+    if n > 1:
+        lines.append(f"  decode       {sum(lat.itl_ms):9.2f} ms   ({n - 1} tokens x mean ITL {lat.mean_itl_ms:.2f} ms;"
+                     f" p50 {lat.percentile_itl_ms(50):.2f}, p90 {lat.percentile_itl_ms(90):.2f})")
+        lines.append(f"  TPOT         {lat.tpot_ms:9.2f} ms   ((E2E - TTFT) / (N - 1))")
+    lines += [
+        f"  detokenize   {lat.detokenize_ms:9.2f} ms   (inside the steps above)",
+        f"  E2E          {lat.e2e_ms:9.2f} ms   = TTFT + sum(ITL) + {finishing:.2f} ms finishing",
+        f"  output       {n} tokens" + (f", {1000 * (n - 1) / sum(lat.itl_ms):.1f} tokens/s decode" if n > 1 else ""),
+    ]
+    lines += _format_steps(steps, max_step_rows)
+    return "\n".join(lines)
+
+
+def _format_steps(steps: list[StepStats], max_rows: int) -> list[str]:
+    decode = [s for s in steps if s.is_decode_only]
+    if not decode:
+        return []
+    out = ["", "  per decode step (bytes the step had to stream from memory):",
+           f"  {'step':>6} {'seqs':>5} {'weights':>10} {'KV':>10} {'KV/token':>9} {'time':>9} {'achieved':>11}"]
+    pick = decode if len(decode) <= max_rows else [decode[round(i * (len(decode) - 1) / (max_rows - 1))]
+                                                    for i in range(max_rows)]
+    for s in pick:
+        out.append(f"  {s.step:>6} {s.num_seqs:>5} {_fmt_bytes(s.weight_bytes):>10} {_fmt_bytes(s.kv_bytes_read):>10} "
+                   f"{s.kv_bytes_per_token:>7} B {s.wall_s * 1e3:>6.2f} ms {s.achieved_bytes_per_s / 1e9:>7.2f} GB/s")
+    bw = sum(s.total_bytes for s in decode) / sum(s.wall_s for s in decode)
+    kv_share = mean([s.kv_bytes_read / s.total_bytes for s in decode])
+    out.append(f"  mean: {bw / 1e9:.2f} GB/s achieved; KV is {100 * kv_share:.1f}% of the bytes per step")
+    return out

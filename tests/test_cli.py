@@ -1,0 +1,58 @@
+"""The CLI as a user runs it (a subprocess): generate streams text then prints the anatomy; chat
+answers on stdin; bench latency prints its tables; bad flags give a clear error, not a traceback."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+TINY = ["--model", "tiny-llama", "--load-format", "dummy", "--max-model-len", "512"]
+
+
+def kvserve(*args, stdin=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "kvserve.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_generate_streams_then_prints_anatomy():
+    r = kvserve("generate", "Hello there", *TINY, "--max-tokens", "12", "--ignore-eos", "--raw")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()  # the generated text
+    for label in ("tokenize", "queue", "prefill", "TTFT", "decode", "TPOT", "E2E", "per decode step", "GB/s"):
+        assert label in r.stderr, label
+    assert "11 tokens x mean ITL" in r.stderr  # 12 tokens -> 11 inter-token gaps
+
+
+def test_generate_bad_input_is_a_clear_error():
+    r = kvserve("generate", "hi", *TINY, "--temperature", "-1")
+    assert r.returncode == 2 and "temperature" in r.stderr and "Traceback" not in r.stderr
+    r = kvserve("generate", "hi", *TINY, "--max-tokens", "100000")
+    assert r.returncode == 2 and "max_tokens" in r.stderr and "512" in r.stderr
+    r = kvserve("generate", "hi", *TINY, "--kv-cache-memory", "64KiB")
+    assert r.returncode == 2 and "max_model_len=512" in r.stderr
+
+
+def test_chat_reads_stdin():
+    r = kvserve("chat", *TINY, "--max-tokens", "5", "--ignore-eos", stdin="Hi\nAnd again\n\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("TTFT") == 2
+
+
+def test_bench_latency_tables(tmp_path):
+    out = tmp_path / "r.json"
+    r = kvserve("bench", "latency", *TINY, "--contexts", "32,64", "--output-tokens", "4", "--concurrency", "1,2",
+                "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "plain read bandwidth" in r.stdout and "concurrency" in r.stdout
+    data = json.loads(out.read_text())
+    assert [c["context_tokens"] for c in data["contexts"]] == [32, 64]
+    assert data["contexts"][1]["decode_bytes_per_step"] > data["contexts"][0]["decode_bytes_per_step"]
+    assert [t["concurrency"] for t in data["throughput"]] == [1, 2]
+
+
+@pytest.mark.slow
+def test_generate_with_bundled_model_answers():
+    r = kvserve("generate", "What is the capital of France? Answer in one word.", "--max-tokens", "20")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "finish_reason=stop" in r.stderr
