@@ -1,0 +1,136 @@
+"""End-to-end behaviour of the bundled SmolLM2 through the offline API, one test per failure kind
+of FAILURE-KINDS.md that the engine alone can show (numbers in the test names). Expected values are
+derived from a first greedy run of the same model, never hard-coded from kvserve's output."""
+import pytest
+
+from kvserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+G = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+
+def _stream_text(llm, prompt, sp, chat=False):
+    outs = list(llm.stream(prompt, sp, chat=chat))
+    return "".join(o.outputs[0].delta_text for o in outs), outs[-1].outputs[0]
+
+
+def _token_spans(llm, token_ids):
+    """(start, end) character offsets of each token in the decoded text, from cumulative decodes."""
+    spans, prev = [], 0
+    for i in range(1, len(token_ids) + 1):
+        n = len(llm.tokenizer.decode(token_ids[:i], skip_special_tokens=True))
+        spans.append((prev, n))
+        prev = n
+    return spans
+
+
+def test_01_stop_string_spanning_tokens_never_leaks(smollm2):
+    base = smollm2.generate("The history of Rome", G)[0].outputs[0]
+    spans = _token_spans(smollm2, base.token_ids)
+    i, j = spans[10][0], spans[12][1]  # covers tokens 10..12
+    stop = base.text[i:j]
+    assert base.text.find(stop) == i
+    streamed, final = _stream_text(smollm2, "The history of Rome", G.clone(stop=[stop]))
+    assert streamed == base.text[:i] == final.text
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert smollm2.generate("The history of Rome", G.clone(stop=[stop]))[0].outputs[0].text == base.text[:i]
+
+
+def test_02_multi_token_stop_string(smollm2):
+    prompt = "A B C D E F G H I J K"
+    base = smollm2.generate(prompt, G)[0].outputs[0].text
+    # the kind's own stop "O P Q", or the same shape of stop that this model does produce
+    stop = next((s for s in ("O P Q", "P Q R", "Q R S") if s in base), None)
+    assert stop is not None, base
+    out = smollm2.generate(prompt, G.clone(stop=[stop]))[0].outputs[0]
+    assert out.text == base[:base.index(stop)] and out.finish_reason == "stop"
+
+
+def test_03_stop_string_ending_inside_a_token(smollm2):
+    base = smollm2.chat(CHAT, G)[0].outputs[0]
+    spans = _token_spans(smollm2, base.token_ids)
+    # a token whose text is at least 4 characters: stop on all but its last character
+    k = next(k for k, (a, b) in enumerate(spans) if b - a >= 4 and base.text[a:b].strip() == base.text[a:b].lstrip())
+    a, b = spans[k]
+    stop = base.text[max(0, a - 3):b - 1]
+    cut = base.text.find(stop)
+    out = smollm2.chat(CHAT, G.clone(stop=[stop]))[0].outputs[0]
+    assert out.text == base.text[:cut] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("prompt", ["日本の首都はどこですか？日本語で答えてください。", "Reply with three emoji: 🙂"])
+def test_04_multibyte_characters_stream_equals_nonstream(smollm2, prompt):
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    full = smollm2.chat([{"role": "user", "content": prompt}], sp)[0].outputs[0]
+    outs = list(smollm2.stream([{"role": "user", "content": prompt}], sp, chat=True))
+    deltas = [o.outputs[0].delta_text for o in outs]
+    assert "".join(deltas) == full.text
+    assert all("\ufffd" not in d for d in deltas)
+    texts = [o.outputs[0].text for o in outs]
+    assert all(len(a) <= len(b) for a, b in zip(texts, texts[1:]))
+    assert any(ord(ch) > 0x2FFF for ch in full.text)  # it really produced multi-byte characters
+
+
+def test_07_eos_on_last_allowed_token_is_stop(smollm2):
+    free = smollm2.chat(CHAT, SamplingParams(temperature=0, max_tokens=200))[0].outputs[0]
+    assert free.finish_reason == "stop"
+    n = len(free.token_ids)  # includes the EOS token
+    exact = smollm2.chat(CHAT, SamplingParams(temperature=0, max_tokens=n))[0].outputs[0]
+    assert exact.finish_reason == "stop" and exact.text == free.text and "<|im_end|>" not in exact.text
+    short = smollm2.chat(CHAT, SamplingParams(temperature=0, max_tokens=n - 1))[0].outputs[0]
+    assert short.finish_reason == "length" and len(short.token_ids) == n - 1
+
+
+def test_09_greedy_equivalent_settings_agree(smollm2):
+    variants = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=1.0, top_k=1, max_tokens=24),
+                SamplingParams(temperature=0, top_p=0.1, max_tokens=24), SamplingParams(temperature=0, top_k=-1, max_tokens=24)]
+    outs = [smollm2.chat(CHAT, sp)[0].outputs[0].token_ids for sp in variants]
+    assert all(o == outs[0] for o in outs)
+
+
+def test_13_preemption_with_real_model():
+    prompts = [f"Write a sentence about the number {i}." for i in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) for _ in range(7)]
+    params.append(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2))
+    ample = LLM(max_model_len=128, progress=False)
+    ref = [[c.token_ids for c in o.outputs] for o in ample.generate(prompts, params)]
+    del ample
+    tight = LLM(max_model_len=128, num_kv_blocks=8, progress=False)
+    got = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [[c.token_ids for c in o.outputs] for o in got] == ref
+    assert all(len(c.token_ids) == 24 for o in got for c in o.outputs)
+    assert tight.engine.kv_manager.num_free_blocks == tight.engine.num_kv_blocks
+
+
+def test_17_top_logprobs_per_position(smollm2):
+    out = smollm2.chat(CHAT, SamplingParams(temperature=0, max_tokens=16, logprobs=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 16
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert len(lp.top_token_ids) == 3
+        assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True) and max(lp.top_logprobs) <= 0
+        assert lp.top_token_ids[0] == tok == lp.token_id and lp.top_logprobs[0] == lp.logprob and lp.rank == 1
+    assert len({tuple(lp.top_token_ids) for lp in out.logprobs}) > 1
+
+
+def test_19_chat_template_tokens_match_reference(smollm2):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ref = smollm2.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
+    out = smollm2.chat(msgs, SamplingParams(max_tokens=1))[0]
+    assert out.prompt_token_ids == list(ref)
+    assert out.prompt_token_ids[:2] != [1, 1]  # no doubled BOS
+    prefill = msgs + [{"role": "assistant", "content": "Hello"}]
+    cont = smollm2.chat(prefill, SamplingParams(max_tokens=1), continue_final_message=True)[0]
+    im_end = smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert cont.prompt_token_ids[-1] != im_end and smollm2.tokenizer.decode(cont.prompt_token_ids).endswith("Hello")
+
+
+def test_20_n_choices(smollm2):
+    out = smollm2.chat(CHAT, SamplingParams(n=3, temperature=0, max_tokens=12))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 1
+    sp = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12)
+    assert [c.token_ids for c in smollm2.chat(CHAT, sp)[0].outputs] == [c.token_ids for c in smollm2.chat(CHAT, sp)[0].outputs]
