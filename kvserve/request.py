@@ -49,7 +49,7 @@ class Request:
 
     __slots__ = ("request_id", "parent_id", "index", "prompt", "prompt_token_ids", "sampling_params",
                  "output_token_ids", "all_token_ids", "num_computed_tokens", "status", "stop_reason",
-                 "logprobs", "timeline", "generator", "max_tokens", "num_preemptions", "eos_token_ids")
+                 "logprobs", "prompt_logprobs", "timeline", "generator", "max_tokens", "num_preemptions", "eos_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  max_tokens: int, eos_token_ids: tuple[int, ...], timeline: RequestTimeline,
@@ -67,6 +67,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.logprobs: list[TokenLogprobs] | None = [] if sampling_params.logprobs is not None else None
+        # one entry per prompt token; the first has no logprob (None)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
         self.timeline = timeline
         self.generator = generator
         self.max_tokens = max_tokens
@@ -98,6 +101,14 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
+
+    def extend_prompt_logprobs(self, start_pos: int, entries: list[TokenLogprobs]) -> None:
+        """Record logprobs of prompt tokens ``start_pos + 1 ...`` (computed from positions
+        ``start_pos ...``); entries already known (a recompute after preemption) are skipped."""
+        have = len(self.prompt_logprobs)
+        skip = have - (start_pos + 1)
+        if skip < len(entries):
+            self.prompt_logprobs.extend(entries[max(0, skip):])
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "

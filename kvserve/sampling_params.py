@@ -32,6 +32,8 @@ class SamplingParams:
     ``max_tokens=None`` means "up to the context length". ``stop`` strings are matched on the
     detokenized text and never returned; ``stop_token_ids`` end generation like EOS (the token's
     text is not returned). ``logprobs=k`` returns the sampled token's logprob plus the top k.
+    ``prompt_logprobs=k`` also returns, for every prompt token after the first, its logprob given
+    the tokens before it and the top k (the first prompt token has none).
     ``seed`` makes sampling reproducible whatever else shares the batch.
     """
 
@@ -51,6 +53,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -87,11 +90,12 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {t!r}",
                                           "stop_token_ids")
-        if self.logprobs is not None:
-            _int_at_least("logprobs", self.logprobs, 0)
-            if self.logprobs > _MAX_LOGPROBS:
-                raise InvalidRequestError(f"logprobs must be <= {_MAX_LOGPROBS}, got {self.logprobs}",
-                                          "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _int_at_least(name, value, 0)
+                if value > _MAX_LOGPROBS:
+                    raise InvalidRequestError(f"{name} must be <= {_MAX_LOGPROBS}, got {value}", name)
 
     # ------------------------------------------------------------------ derived
     @property

@@ -159,3 +159,22 @@ def test_step_stats_bytes(tiny):
     params_bytes = cfg.num_params() * 4  # tied embeddings: the table is the LM head, read every step
     assert steps[1].weight_bytes == params_bytes + cfg.hidden_size * 4
     assert all(s.achieved_bytes_per_s > 0 for s in steps)
+
+
+def test_prompt_logprobs_match_a_full_forward_even_when_chunked(tiny):
+    """prompt_logprobs over a prompt prefilled in chunks equal log_softmax of one full forward pass
+    (the oracle) scored against each next prompt token; the first entry is None."""
+    import torch
+
+    from tests.test_hf_parity import _kvserve_logits
+
+    ids = tiny.tokenizer.encode("one two three four five six seven eight nine ten " * 3)
+    ref = torch.log_softmax(_kvserve_logits(tiny, ids), -1)
+    chunked = tiny_llm(max_num_batched_tokens=8)
+    out = chunked.generate([ids], SamplingParams(max_tokens=2, prompt_logprobs=2, ignore_eos=True))[0]
+    lps = out.prompt_logprobs
+    assert len(lps) == len(ids) and lps[0] is None
+    for pos in range(1, len(ids)):
+        assert lps[pos].token_id == ids[pos]
+        assert abs(lps[pos].logprob - ref[pos - 1, ids[pos]].item()) < 1e-4
+        assert lps[pos].top_token_ids[0] == int(ref[pos - 1].argmax())

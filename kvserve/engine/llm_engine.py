@@ -236,5 +236,7 @@ class LLMEngine:
                 logprobs=list(req.logprobs) if req.logprobs is not None else None,
                 delta_text=detok.take_delta(finished), delta_token_ids=req.output_token_ids[sent:],
                 latency=req.timeline.breakdown(req.num_prompt_tokens, req.num_preemptions) if finished else None))
+        first = parent.children[0]
+        prompt_lps = list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,
-                             finished=parent.finished)
+                             finished=parent.finished, prompt_logprobs=prompt_lps)

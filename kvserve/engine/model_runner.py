@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention import AttentionMetadata
-from kvserve.engine.sampler import Sampler, SamplingRow
+from kvserve.engine.sampler import Sampler, SamplingRow, token_logprobs
 from kvserve.engine.scheduler import RunnerOutput, SchedulerOutput
 from kvserve.kv_cache.spec import KVCacheSpec
 
@@ -34,14 +34,15 @@ class ModelRunner:
             return RunnerOutput()
         input_ids, positions, meta = self._prepare(sched)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        out = RunnerOutput()
+        self._prompt_logprobs(sched, hidden, meta, out)
         sample_idx = [i for i, s in enumerate(sched.scheduled) if s.sample]
         if not sample_idx:
-            return RunnerOutput()
+            return out
         last_token = meta.query_start_loc[1:] - 1  # [num_seqs] index of each sequence's last token
         logits = self.model.compute_logits(hidden[last_token[sample_idx]])  # [N, vocab]
         rows = [self._row(sched.scheduled[i].request) for i in sample_idx]
         result = self.sampler(logits, rows)
-        out = RunnerOutput()
         for i, tok, lp in zip(sample_idx, result.token_ids, result.logprobs):
             out.sampled[sched.scheduled[i].request.request_id] = (tok, lp)
         return out
@@ -58,6 +59,21 @@ class ModelRunner:
             [s.num_scheduled_tokens for s in sched.scheduled], self.kv_spec.block_size, self.device)
         as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
         return as_t(ids), as_t(pos), meta
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, meta, out: RunnerOutput) -> None:
+        """For requests asking for prompt logprobs: logits at every position of this chunk whose next
+        token is a prompt token, scored against that token."""
+        for i, s in enumerate(sched.scheduled):
+            req = s.request
+            k = req.sampling_params.prompt_logprobs
+            if k is None or s.num_computed_tokens + 1 >= req.num_prompt_tokens:
+                continue
+            start = s.num_computed_tokens
+            end = min(start + s.num_scheduled_tokens, req.num_prompt_tokens - 1)  # positions with a next prompt token
+            first = int(meta.query_start_loc[i])
+            logits = self.model.compute_logits(hidden[first:first + end - start])  # [end - start, vocab]
+            targets = req.prompt_token_ids[start + 1:end + 1]
+            out.prompt_logprobs[req.request_id] = (start, token_logprobs(logits, targets, [k] * len(targets)))
 
     @staticmethod
     def _row(req) -> SamplingRow:

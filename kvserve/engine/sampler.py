@@ -198,19 +198,25 @@ def compute_logprobs(raw_logits: torch.Tensor, token_ids: list[int],
     result: list[TokenLogprobs | None] = [None] * len(rows)
     if not wanted:
         return result
-    logprobs = torch.log_softmax(raw_logits[wanted], dim=-1)  # [num_wanted, vocab]
-    chosen = torch.tensor([token_ids[i] for i in wanted], device=logprobs.device).unsqueeze(1)
-    chosen_lp = logprobs.gather(1, chosen)  # [num_wanted, 1]
+    found = token_logprobs(raw_logits[wanted], [token_ids[i] for i in wanted],
+                           [rows[i].params.logprobs for i in wanted])
+    for i, lp in zip(wanted, found):
+        result[i] = lp
+    return result
+
+
+def token_logprobs(raw_logits: torch.Tensor, token_ids: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Row i: logprob and rank of ``token_ids[i]`` under ``log_softmax(raw_logits[i])`` and the top
+    ``ks[i]`` alternatives (see :func:`compute_logprobs`). raw_logits: [n, vocab] float32."""
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)  # [n, vocab]
+    chosen = torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)
+    chosen_lp = logprobs.gather(1, chosen)  # [n, 1]
     ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
-    max_k = max(rows[i].params.logprobs for i in wanted)
-    top_lp, top_ids = _sorted_topk(logprobs, max_k)
+    top_lp, top_ids = _sorted_topk(logprobs, max(ks))
     chosen_list, rank_list = chosen_lp.squeeze(1).tolist(), ranks.tolist()
     top_lp_list, top_ids_list = top_lp.tolist(), top_ids.tolist()
-    for j, i in enumerate(wanted):
-        k = rows[i].params.logprobs
-        result[i] = TokenLogprobs(token_id=token_ids[i], logprob=chosen_list[j], rank=rank_list[j],
-                                  top_token_ids=top_ids_list[j][:k], top_logprobs=top_lp_list[j][:k])
-    return result
+    return [TokenLogprobs(token_id=t, logprob=chosen_list[j], rank=rank_list[j], top_token_ids=top_ids_list[j][:k],
+                          top_logprobs=top_lp_list[j][:k]) for j, (t, k) in enumerate(zip(token_ids, ks))]
 
 
 def _sorted_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

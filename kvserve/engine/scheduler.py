@@ -50,6 +50,8 @@ class RunnerOutput:
     """Sampled token (and logprobs) per request id that had ``sample=True``."""
 
     sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+    # request id -> (first position, logprobs of the prompt tokens that follow positions first, first+1, ...)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -143,6 +145,8 @@ class Scheduler:
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_scheduled_tokens
+            if req.request_id in result.prompt_logprobs:
+                req.extend_prompt_logprobs(*result.prompt_logprobs[req.request_id])
             if not s.sample or req.is_finished:
                 continue
             token_id, logprobs = result.sampled[req.request_id]
