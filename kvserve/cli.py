@@ -121,6 +121,18 @@ def cmd_chat(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.server.app import create_app
+
+    llm = build_llm(a)
+    app = create_app(llm, api_key=a.api_key, model_name=a.served_model_name)
+    print(f"kvserve: serving {app.state.metrics._model} on http://{a.host}:{a.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
 # ---------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvserve", description=__doc__.splitlines()[0])
@@ -137,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
     from kvserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)

@@ -18,3 +18,43 @@ def tiny():
 def smollm2():
     """The bundled real model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to float32)."""
     return LLM("smollm2-135m", progress=False)
+
+
+class ServerHandle:
+    """A kvserve app served by uvicorn on a free loopback port in a background thread."""
+
+    def __init__(self, llm, **app_kw):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        from kvserve.server.app import create_app
+
+        self.app = create_app(llm, **app_kw)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+        self.engine = llm.engine
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def tiny_server():
+    """Tiny random-weight model behind the HTTP server (session-wide)."""
+    h = ServerHandle(tiny_llm())
+    yield h
+    h.stop()

@@ -26,6 +26,40 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--json", default=None, help="also write the figures to this JSON file")
     add_engine_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
+    _add_serve_parser(bsub)
+
+
+def _slo(text: str) -> tuple[str, float]:
+    from kvserve.bench.serve import parse_slo
+
+    try:
+        return parse_slo(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_serve_parser(bsub) -> None:
+    s = bsub.add_parser("serve", help="HTTP load generator for an OpenAI-compatible server (vLLM bench serve metrics)",
+                        description="Stream requests at Poisson arrivals to a running server and report TTFT, TPOT, "
+                                    "ITL, E2E latency, throughput and goodput (see kvserve/bench/serve.py).")
+    s.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    s.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    s.add_argument("--model", default=None, help="model name to send (default: first id of GET /v1/models)")
+    s.add_argument("--num-prompts", type=int, default=100)
+    s.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="mean arrivals per second of a Poisson process; inf sends all at once")
+    s.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: unlimited)")
+    s.add_argument("--input-tokens", type=int, default=128, help="prompt length (words ~ tokens; exact with token-ids)")
+    s.add_argument("--output-tokens", type=int, default=64, help="max_tokens of each request (ignore_eos)")
+    s.add_argument("--prompt-format", choices=["words", "token-ids"], default="words",
+                   help="random words (any endpoint) or token-id lists (/v1/completions, exact length)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the prompts and the arrival times")
+    s.add_argument("--goodput", type=_slo, nargs="+", default=[], metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (e2e is accepted for e2el)")
+    s.add_argument("--save-result", default=None, metavar="PATH", help="write config, metrics and requests as JSON")
+    s.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY if set)")
+    s.add_argument("--timeout-s", type=float, default=600.0, help="per-request HTTP timeout")
+    s.set_defaults(func=cmd_bench_serve)
 
 
 def cmd_bench_latency(a: argparse.Namespace) -> int:
@@ -39,3 +73,25 @@ def cmd_bench_latency(a: argparse.Namespace) -> int:
     if a.json:
         save_json(rep, a.json)
     return 0
+
+
+def cmd_bench_serve(a: argparse.Namespace) -> int:
+    import os
+    import sys
+
+    from kvserve.bench.serve import ServeBenchConfig, format_report, run_serve_bench, save_result
+
+    cfg = ServeBenchConfig(url=a.url, endpoint=a.endpoint, model=a.model, num_prompts=a.num_prompts,
+                           request_rate=a.request_rate, max_concurrency=a.max_concurrency,
+                           input_tokens=a.input_tokens, output_tokens=a.output_tokens, seed=a.seed,
+                           prompt_format=a.prompt_format, goodput_ms=dict(a.goodput),
+                           api_key=a.api_key or os.environ.get("OPENAI_API_KEY"), timeout_s=a.timeout_s)
+    try:
+        res = run_serve_bench(cfg)
+    except ValueError as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(res))
+    if a.save_result:
+        save_result(res, a.save_result)
+    return 0 if res.metrics.completed else 1

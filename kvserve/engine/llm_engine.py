@@ -112,7 +112,7 @@ class LLMEngine:
         empty prompt, token ids outside the vocabulary, or prompt + max_tokens > max_model_len."""
         if request_id in self._parents:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
-        self._validate_prompt(prompt_token_ids, params)
+        self.validate_prompt(prompt_token_ids, params)
         timeline = timeline or RequestTimeline()
         if timeline.tokenized is None:
             timeline.tokenized = now()
@@ -139,7 +139,9 @@ class LLMEngine:
         for req in children:
             self.scheduler.add_request(req)
 
-    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        """InvalidRequestError unless the prompt is non-empty, in the vocabulary and fits with max_tokens.
+        Reads only immutable limits, so any thread may call it."""
         if not ids:
             raise InvalidRequestError("prompt must contain at least one token", "prompt")
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
@@ -167,6 +169,17 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
                 req.timeline.finished = t
         return self._make_output(parent)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._parents)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents) or bool(self._pending)
