@@ -97,32 +97,31 @@ class AsyncEngine:
                         break
                     commands = list(self._commands)
                     self._commands.clear()
-                for cmd in commands:
-                    self._apply(cmd)
+                outputs = [out for cmd in commands for out in self._apply(cmd)]
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    self._deliver(outputs)
-                    if self._on_step is not None:
-                        self._on_step(self.engine, outputs)
+                    outputs += self.engine.step()
+                self._deliver(outputs)
+                if self._on_step is not None:  # metrics: also after aborts, so gauges fall to 0
+                    self._on_step(self.engine, outputs)
         except BaseException as e:  # keep the server answering: requests get an error, /health says so
             log.exception("engine thread failed")
             self._error = e
         finally:
             self._abort_all()
 
-    def _apply(self, cmd: tuple) -> None:
+    def _apply(self, cmd: tuple) -> list[RequestOutput]:
+        """Run one command on the engine thread; returns outputs it produced (an abort's)."""
         if cmd[0] == "add":
             _, rid, ids, params, prompt, timeline = cmd
             if rid not in self._streams:  # the client left before the request reached the engine
-                return
+                return []
             try:
                 self.engine.add_request(rid, ids, params, prompt=prompt, timeline=timeline)
             except Exception as e:  # noqa: BLE001 - forwarded to the waiting handler
                 self._put(rid, e)
-        elif cmd[0] == "abort":
-            out = self.engine.abort_request(cmd[1])
-            if out is not None:
-                self._deliver([out])
+            return []
+        out = self.engine.abort_request(cmd[1])
+        return [out] if out is not None else []
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

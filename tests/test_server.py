@@ -1,0 +1,196 @@
+"""The HTTP server through the official `openai` client and raw HTTP: answers, streams, metrics that
+agree with the responses, aborts on disconnect, auth, 64 concurrent streams, clean SIGTERM."""
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ServerHandle, tiny_llm
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused")
+
+
+def _metric(url, name):
+    """Sum of a Prometheus series (all label sets) from /metrics."""
+    text = httpx.get(url + "/metrics").text
+    vals = [float(m.group(1)) for m in re.finditer(rf"^kvserve:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    return sum(vals)
+
+
+def _wait_idle(server, timeout=10.0):
+    deadline = time.time() + timeout
+    eng = server.engine
+    while time.time() < deadline:
+        if not eng.has_unfinished_requests() and eng.kv_manager.num_free_blocks == eng.num_kv_blocks:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_completion_and_chat_with_openai_client(client):
+    r = client.completions.create(model="tiny-llama", prompt="Hello there", max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and len(r.choices) == 1 and r.choices[0].text
+    assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens == 2
+    c = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=5, temperature=0)
+    assert c.choices[0].message.role == "assistant" and c.choices[0].finish_reason == "length"
+    assert c.model_extra["kvserve_timings"]["ttft_ms"] > 0
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny-llama"]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_stream_equals_non_stream_for_same_seed(client, kind):
+    kw = dict(model="tiny-llama", max_tokens=20, temperature=0.9, top_p=0.9, seed=123)
+    if kind == "completion":
+        whole = client.completions.create(prompt="Once upon", **kw).choices[0].text
+        chunks = client.completions.create(prompt="Once upon", stream=True, **kw)
+        streamed = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    else:
+        msgs = [{"role": "user", "content": "Tell me a story"}]
+        whole = client.chat.completions.create(messages=msgs, **kw).choices[0].message.content
+        chunks = client.chat.completions.create(messages=msgs, stream=True, **kw)
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == whole and whole
+
+
+def test_tokenize_detokenize_round_trip(tiny_server):
+    t = httpx.post(tiny_server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert t["count"] == len(t["tokens"]) == 2 and t["max_model_len"] == 512
+    d = httpx.post(tiny_server.url + "/detokenize", json={"tokens": t["tokens"]}).json()
+    assert d["prompt"] == "Hello world"
+
+
+def test_metrics_match_the_responses_own_timings(tiny_server, client):
+    url = tiny_server.url
+    ttft_n0, ttft_s0 = _metric(url, "time_to_first_token_seconds_count"), _metric(url, "time_to_first_token_seconds_sum")
+    itl_n0 = _metric(url, "inter_token_latency_seconds_count")
+    gen0 = _metric(url, "generation_tokens_total")
+    r = client.completions.create(model="tiny-llama", prompt="metrics", max_tokens=9, temperature=0)
+    timings = r.model_extra["kvserve_timings"]
+    assert _metric(url, "time_to_first_token_seconds_count") == ttft_n0 + 1
+    assert abs(_metric(url, "time_to_first_token_seconds_sum") - ttft_s0 - timings["ttft_ms"] / 1e3) < 1e-5
+    assert _metric(url, "inter_token_latency_seconds_count") == itl_n0 + r.usage.completion_tokens - 1
+    assert _metric(url, "generation_tokens_total") == gen0 + 9
+    assert _metric(url, "num_requests_running") == 0
+    assert _metric(url, "kv_cache_bytes_per_token") == 2 * 2 * 2 * 16 * 4
+    assert _metric(url, "step_weight_bytes_total") > 0 and _metric(url, "step_kv_bytes_total") > 0
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(tiny_server):
+    body = {"prompt": "stream forever " * 10, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", tiny_server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(x.startswith("data: ") for x in got)
+        assert tiny_server.engine.has_unfinished_requests()
+    assert _wait_idle(tiny_server), "request not aborted after the client left"
+    assert _metric(tiny_server.url, "num_requests_running") == 0
+    gen = _metric(tiny_server.url, "generation_tokens_total")
+    time.sleep(0.5)
+    assert _metric(tiny_server.url, "generation_tokens_total") == gen  # counters stopped
+
+
+def test_disconnect_mid_non_stream_aborts(tiny_server):
+    body = {"prompt": "wait for me " * 10, "max_tokens": 450, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=1.0)
+    assert _wait_idle(tiny_server), "non-stream request not aborted after the client left"
+    ok = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "next", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_64_concurrent_streams(tiny_server):
+    async def one(c, i):
+        body = {"prompt": f"client {i} says", "max_tokens": 8, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        lines = []
+        async with c.stream("POST", tiny_server.url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line:
+                    lines.append(line)
+        assert lines[-1] == "data: [DONE]"
+        return json.loads(lines[-2][6:])["usage"]["completion_tokens"]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(64)))
+
+    assert asyncio.run(main()) == [8] * 64
+    assert _wait_idle(tiny_server)
+
+
+def test_api_key():
+    h = ServerHandle(tiny_llm(), api_key="sekret")
+    try:
+        body = {"prompt": "hi", "max_tokens": 1}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            r = httpx.post(h.url + "/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(h.url + "/v1/models").status_code == 401
+        ok = httpx.post(h.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
+        assert ok.status_code == 200
+        assert httpx.get(h.url + "/health").status_code == 200
+        assert httpx.get(h.url + "/metrics").status_code == 200
+        c = openai.OpenAI(base_url=h.url + "/v1", api_key="sekret")
+        assert c.completions.create(model="tiny-llama", prompt="x", max_tokens=1).choices
+    finally:
+        h.stop()
+
+
+def test_sigterm_shuts_down_cleanly_mid_stream(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model", "tiny-llama", "--load-format",
+                             "dummy", "--max-model-len", "512", "--port", str(port), "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        received = []
+
+        def stream():
+            body = {"prompt": "long " * 5, "max_tokens": 480, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        received.append(line)
+            except httpx.HTTPError:
+                received.append("<closed>")
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while len(received) < 4:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the captured signal: exit status -SIGTERM
+        assert proc.wait(timeout=20) in (0, -signal.SIGTERM)
+        out = proc.stdout.read()
+        assert "Traceback" not in out, out
+        t.join(10)
+        assert not t.is_alive()  # the client's stream ended too: nothing hangs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
