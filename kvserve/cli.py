@@ -22,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None, help="KV cache budget in bytes, e.g. 512MiB (default 1GiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache budget in blocks instead")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse KV blocks of equal prompt prefixes")
     g.add_argument("--max-model-len", type=int, default=0, help="context limit (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
@@ -59,7 +61,8 @@ def build_llm(a: argparse.Namespace, progress: bool = True):
     return LLM(a.model, dtype=a.dtype, load_format=a.load_format, kv_cache_memory=a.kv_cache_memory,
                num_kv_blocks=a.num_kv_blocks, block_size=a.block_size, max_model_len=a.max_model_len,
                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-               num_threads=a.threads, seed=a.seed_engine, progress=progress)
+               num_threads=a.threads, seed=a.seed_engine, progress=progress,
+               enable_prefix_caching=a.enable_prefix_caching)
 
 
 def model_header(llm) -> str:

@@ -30,6 +30,13 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[key]
 
 
+def _require_int(name: str, value, optional: bool = False) -> None:
+    """ConfigError unless ``value`` is an int (not a bool; None allowed when ``optional``)."""
+    if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)):
+        return
+    raise ConfigError(f"{name} must be an integer, got {value!r}")
+
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
@@ -40,7 +47,7 @@ def parse_bytes(text: str | int) -> int:
     """Parse '2GiB', '512MB', '1e9'-free plain integers, ... into bytes. ConfigError on bad text."""
     if isinstance(text, int):
         return text
-    m = _SIZE_RE.match(text)
+    m = _SIZE_RE.match(text) if isinstance(text, str) else None
     if not m:
         raise ConfigError(f"kv_cache_memory: cannot parse size {text!r} (examples: 2GiB, 512MB, 1000000)")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
@@ -109,17 +116,21 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache. Give the budget as ``kv_cache_memory_bytes`` or ``num_blocks`` (not both);
-    neither means the default of 1 GiB. ``kv_cache_dtype`` 'auto' follows the compute dtype."""
+    neither means the default of 1 GiB. ``kv_cache_dtype`` 'auto' follows the compute dtype.
+    ``enable_prefix_caching`` (default on) reuses cached full blocks of equal prefixes."""
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     num_blocks: int | None = None
     kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
 
     DEFAULT_MEMORY_BYTES = 1 << 30
 
     def validate(self) -> "CacheConfig":
+        _require_int("block_size", self.block_size)
+        _require_int("kv_cache_memory", self.kv_cache_memory_bytes, optional=True)
+        _require_int("num_kv_blocks", self.num_blocks, optional=True)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.num_blocks is not None:
@@ -144,6 +155,8 @@ class SchedulerConfig:
     max_model_len: int = 0
 
     def validate(self) -> "SchedulerConfig":
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            _require_int(name, getattr(self, name))
         if self.max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
@@ -187,7 +200,15 @@ class EngineConfig:
     num_threads: int = 0  # 0 = leave torch's default
 
     def validate(self) -> "EngineConfig":
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"model must be a non-empty string (name or path), got {self.model!r}")
         parse_dtype(self.dtype)
+        _require_int("seed", self.seed)
+        if not -2**63 <= self.seed < 2**63:
+            raise ConfigError(f"seed must be in [-2**63, 2**63), got {self.seed}")
+        _require_int("num_threads", self.num_threads)
+        if self.num_threads < 0:
+            raise ConfigError(f"num_threads must be >= 0 (0 = torch's default), got {self.num_threads}")
         if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
             raise ConfigError(f"load_format must be auto|gguf|safetensors|dummy, got {self.load_format!r}")
         self.cache.validate()

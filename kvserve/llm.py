@@ -6,7 +6,7 @@ own tokenizer (HF ``transformers``). ``stream`` yields outputs with text deltas 
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
 from kvserve.engine.llm_engine import LLMEngine
@@ -29,16 +29,19 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "float32", load_format: str = "auto",
                  seed: int = 0, block_size: int = 16, kv_cache_memory: int | str | None = None,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int = 0, dummy_config=None, num_threads: int = 0, progress: bool = True):
+                 max_model_len: int = 0, dummy_config=None, num_threads: int = 0, progress: bool = True,
+                 enable_prefix_caching: bool = True):
         mem = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
         config = EngineConfig(
             model=model, dtype=dtype, load_format=load_format, seed=seed, dummy_config=dummy_config,
             num_threads=num_threads,
-            cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=mem, num_blocks=num_kv_blocks),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=mem, num_blocks=num_kv_blocks,
+                              enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len))
         self.engine = LLMEngine(config, progress=progress)
         self._ids = itertools.count()
+        self._inbox: dict[str, list[RequestOutput]] = {}  # request_id → outputs its caller has not taken
 
     @property
     def tokenizer(self):
@@ -65,8 +68,9 @@ class LLM:
         if not messages:
             raise InvalidRequestError("messages must contain at least one message", "messages")
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
-                raise InvalidRequestError(f"messages[{i}] must have a 'role' and a string 'content'",
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"] \
+                    or not isinstance(m.get("content"), str):
+                raise InvalidRequestError(f"messages[{i}] must have a string 'role' and a string 'content'",
                                           f"messages[{i}]")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("this model has no chat template; use generate() with a raw prompt",
@@ -87,6 +91,7 @@ class LLM:
         timeline.tokenized = now()
         rid = str(next(self._ids))
         self.engine.add_request(rid, ids, params, prompt=text, timeline=timeline)
+        self._inbox[rid] = []
         return rid
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -94,13 +99,19 @@ class LLM:
         """Run all prompts to completion (continuous batching); outputs in the prompts' order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable) or isinstance(prompts, (dict, bytes)):
+            raise InvalidRequestError(f"prompts must be a string, a list of token ids or a list of prompts, "
+                                      f"got {type(prompts).__name__}", "prompt")
         return self._run([(p, {}) for p in prompts], sampling_params, chat=False)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
         """Like ``generate`` for conversations (one list of messages, or a list of them)."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list of messages (or of conversations)",
+                                      "messages")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
         kw = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
         return self._run([(c, kw) for c in convs], sampling_params, chat=True)
 
@@ -110,28 +121,47 @@ class LLM:
         rid = self.add(prompt, sampling_params or SamplingParams(), chat=chat)
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
+                if not self._inbox[rid]:
+                    self._step()
+                for out in self._take(rid):
+                    yield out
+                    if out.finished:
+                        return
         finally:
+            self._inbox.pop(rid, None)
             self.engine.abort_request(rid)
 
     def _run(self, items, sampling_params, chat: bool) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(items))
-        order = [self.add(p, sp, chat=chat, **kw) for (p, kw), sp in zip(items, params)]
+        order: list[str] = []
         done: dict[str, RequestOutput] = {}
-        try:
+        try:  # a prompt that fails validation aborts the ones queued before it
+            for (p, kw), sp in zip(items, params):
+                order.append(self.add(p, sp, chat=chat, **kw))
             while len(done) < len(order):
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
+                self._step()
+                for rid in order:
+                    for out in self._take(rid):
+                        if out.finished:
+                            done[rid] = out
         finally:
             for rid in order:
+                self._inbox.pop(rid, None)
                 if rid not in done:
                     self.engine.abort_request(rid)
         return [done[r] for r in order]
+
+    def _step(self) -> None:
+        """One engine step; each output waits in its request's inbox until its caller takes it, so
+        interleaved ``stream``/``generate`` calls never lose each other's outputs."""
+        for out in self.engine.step():
+            box = self._inbox.get(out.request_id)
+            if box is not None:
+                box.append(out)
+
+    def _take(self, rid: str) -> list[RequestOutput]:
+        outs, self._inbox[rid] = self._inbox[rid], []
+        return outs
 
 
 def _per_prompt(sp, n: int) -> list[SamplingParams]:
@@ -139,6 +169,10 @@ def _per_prompt(sp, n: int) -> list[SamplingParams]:
         return [SamplingParams() for _ in range(n)]
     if isinstance(sp, SamplingParams):
         return [sp] * n
+    bad = [p for p in (sp if isinstance(sp, (list, tuple)) else [sp]) if not isinstance(p, SamplingParams)]
+    if bad:
+        raise InvalidRequestError(f"sampling_params must be a SamplingParams or a list of them, got "
+                                  f"{type(bad[0]).__name__}", "sampling_params")
     sp = list(sp)
     if len(sp) != n:
         raise InvalidRequestError(f"got {len(sp)} sampling_params for {n} prompts", "sampling_params")

@@ -49,12 +49,12 @@ class Request:
 
     __slots__ = ("request_id", "parent_id", "index", "prompt", "prompt_token_ids", "sampling_params",
                  "output_token_ids", "all_token_ids", "num_computed_tokens", "status", "stop_reason",
-                 "logprobs", "prompt_logprobs", "timeline", "generator", "max_tokens", "num_preemptions", "eos_token_ids")
+                 "logprobs", "prompt_logprobs", "cache_salt", "num_cached_tokens", "timeline", "generator", "max_tokens", "num_preemptions", "eos_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  max_tokens: int, eos_token_ids: tuple[int, ...], timeline: RequestTimeline,
                  prompt: str | None = None, parent_id: str | None = None, index: int = 0,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, cache_salt: str | None = None):
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
         self.index = index
@@ -75,6 +75,8 @@ class Request:
         self.max_tokens = max_tokens
         self.num_preemptions = 0
         self.eos_token_ids = eos_token_ids
+        self.cache_salt = cache_salt  # isolates this request's prefix-cache entries from others'
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -87,6 +89,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def cache_keys(self) -> tuple:
+        """Extra keys mixed into the first block's hash."""
+        return (self.cache_salt,) if self.cache_salt else ()
 
     @property
     def is_finished(self) -> bool:

@@ -5,13 +5,14 @@ wires them, fans an ``n > 1`` request out into ``n`` sequences and gathers their
 """
 from __future__ import annotations
 
+import os
 import random
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.config import EngineConfig, ModelConfig
+from kvserve.config import ConfigError, EngineConfig, ModelConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
@@ -67,7 +68,7 @@ class LLMEngine:
         self.kv_spec = KVCacheSpec.from_model(ckpt.config, kv_dtype, config.cache.block_size)
         num_blocks = self._resolve_num_blocks()
         self.kv_spec.check_fits(num_blocks, self.max_model_len)
-        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size)
+        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_spec, num_blocks)
         self.weight_bytes_per_step, self._embedding_row_bytes = weight_bytes_of(self.model)
@@ -89,8 +90,15 @@ class LLMEngine:
     def _resolve_num_blocks(self) -> int:
         c = self.config.cache
         if c.num_blocks is not None:
-            return c.num_blocks
-        return max(1, self.kv_spec.num_blocks_for(c.kv_cache_memory_bytes or c.DEFAULT_MEMORY_BYTES))
+            num_blocks = c.num_blocks
+        else:
+            num_blocks = max(1, self.kv_spec.num_blocks_for(c.kv_cache_memory_bytes or c.DEFAULT_MEMORY_BYTES))
+        need = num_blocks * self.kv_spec.bytes_per_block
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # the cache lives in host memory
+        if need > have:
+            raise ConfigError(f"kv_cache_memory: {num_blocks} blocks x {self.kv_spec.bytes_per_block} B = "
+                              f"{need / 2**30:.1f} GiB exceeds this machine's memory ({have / 2**30:.1f} GiB)")
+        return num_blocks
 
     @property
     def num_steps(self) -> int:
@@ -107,24 +115,30 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None, timeline: RequestTimeline | None = None) -> None:
+                    prompt: str | None = None, timeline: RequestTimeline | None = None,
+                    cache_salt: str | None = None) -> None:
         """Queue a request (``params.n`` sequences). Raises InvalidRequestError (param named) for an
-        empty prompt, token ids outside the vocabulary, or prompt + max_tokens > max_model_len."""
-        if request_id in self._parents:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use", "request_id")
+        empty prompt, token ids outside the vocabulary, or prompt + max_tokens > max_model_len.
+        ``cache_salt`` keeps this request's prefix-cache entries apart from other salts'."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}",
+                                      "sampling_params")
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        taken = [r for r in (request_id, *child_ids) if r in self._parents or r in self.scheduler.requests]
+        if taken:  # an n > 1 request's sequences are "<id>-<i>": those ids must be free too
+            raise InvalidRequestError(f"request_id {taken[0]!r} is already in use", "request_id")
         self.validate_prompt(prompt_token_ids, params)
         timeline = timeline or RequestTimeline()
         if timeline.tokenized is None:
             timeline.tokenized = now()
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_token_ids)
         children, detoks = [], []
-        for i in range(params.n):
-            rid = request_id if params.n == 1 else f"{request_id}-{i}"
+        for i, rid in enumerate(child_ids):
             tl = timeline if i == 0 else RequestTimeline(arrival=timeline.arrival, tokenized=timeline.tokenized)
             seed = params.seed + i if params.seed is not None else self._rng.randrange(2**62)
             req = Request(rid, prompt_token_ids, params, max_tokens, self.model_config.eos_token_ids, tl,
                           prompt=prompt, parent_id=request_id, index=i,
-                          generator=torch.Generator().manual_seed(seed))
+                          generator=torch.Generator().manual_seed(seed), cache_salt=cache_salt)
             children.append(req)
             detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params))
         parent = _Parent(request_id, prompt, list(prompt_token_ids), children, detoks, [0] * params.n)

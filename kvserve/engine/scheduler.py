@@ -112,16 +112,35 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            if self._sibling_prefilling(req):  # n > 1: wait for the first choice's prompt blocks
+                skipped.append(self.waiting.popleft())
+                continue
+            hits, num_hit = [], 0
+            if req.num_computed_tokens == 0 and req.sampling_params.prompt_logprobs is None:
+                hits, num_hit = self.kv.get_computed_blocks(req.request_id, req.all_token_ids, req.cache_keys)
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req.request_id, num_hit + n, hits):
                 break  # FCFS: don't let later requests jump ahead of one waiting for blocks
             self.waiting.popleft()
+            if self.kv.enable_prefix_caching and req.num_preemptions == 0:
+                self.kv.record_lookup(req.num_tokens, num_hit)
+            req.num_computed_tokens = num_hit
+            req.num_cached_tokens = max(req.num_cached_tokens, num_hit)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._entry(req, n))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
+
+    def _sibling_prefilling(self, req: Request) -> bool:
+        """True when another choice of the same request is still computing the shared prompt, so
+        this one can reuse its blocks once they are cached instead of computing copies."""
+        if not self.kv.enable_prefix_caching or req.parent_id == req.request_id or req.num_computed_tokens:
+            return False
+        return any(r.parent_id == req.parent_id and r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
 
     def _entry(self, req: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_table(req.request_id),
@@ -147,6 +166,7 @@ class Scheduler:
             req.num_computed_tokens += s.num_scheduled_tokens
             if req.request_id in result.prompt_logprobs:
                 req.extend_prompt_logprobs(*result.prompt_logprobs[req.request_id])
+            self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_keys)
             if not s.sample or req.is_finished:
                 continue
             token_id, logprobs = result.sampled[req.request_id]

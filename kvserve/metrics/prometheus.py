@@ -53,6 +53,7 @@ class ServerMetrics:
         self.kv_bytes_per_token = Gauge(P + "kv_cache_bytes_per_token", "K+V bytes of one token over all layers.", lbl, registry=r).labels(model_name)
         self._last_step = 0
         self._last_preemptions = 0
+        self._last_prefix = (0, 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -66,6 +67,11 @@ class ServerMetrics:
         preempt = engine.scheduler.num_preemptions
         self.preemptions.inc(preempt - self._last_preemptions)
         self._last_preemptions = preempt
+        kv = engine.kv_manager
+        queried, hit = kv.num_queried_tokens, kv.num_hit_tokens
+        self.prefix_queries.inc(queried - self._last_prefix[0])
+        self.prefix_hits.inc(hit - self._last_prefix[1])
+        self._last_prefix = (queried, hit)
         for s in engine.step_stats:
             if s.step <= self._last_step:
                 continue
