@@ -54,7 +54,8 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests (event-loop side)
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None, timeline: RequestTimeline) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None, timeline: RequestTimeline,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Validation errors were raised before this is
         called (``engine.validate_request``); leaving the iterator early aborts the request."""
         if not self.is_alive:
@@ -62,7 +63,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
-        self._submit(("add", request_id, prompt_token_ids, params, prompt, timeline))
+        self._submit(("add", request_id, prompt_token_ids, params, prompt, timeline, cache_salt))
         finished = False
         try:
             while True:
@@ -112,11 +113,11 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> list[RequestOutput]:
         """Run one command on the engine thread; returns outputs it produced (an abort's)."""
         if cmd[0] == "add":
-            _, rid, ids, params, prompt, timeline = cmd
+            _, rid, ids, params, prompt, timeline, cache_salt = cmd
             if rid not in self._streams:  # the client left before the request reached the engine
                 return []
             try:
-                self.engine.add_request(rid, ids, params, prompt=prompt, timeline=timeline)
+                self.engine.add_request(rid, ids, params, prompt=prompt, timeline=timeline, cache_salt=cache_salt)
             except Exception as e:  # noqa: BLE001 - forwarded to the waiting handler
                 self._put(rid, e)
             return []

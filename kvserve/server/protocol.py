@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvserve.sampling_params import InvalidRequestError, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
+MAX_N = 128  # OpenAI's limit; each choice is a sequence with its own KV blocks
 
 
 class _Strict(BaseModel):
@@ -40,8 +41,11 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
 
     def _common(self) -> dict:
+        if self.n > MAX_N:
+            raise InvalidRequestError(f"n must be <= {MAX_N}, got {self.n}", "n")
         out = {"n": self.n, "seed": self.seed, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                "include_stop_str_in_output": self.include_stop_str_in_output,
                "skip_special_tokens": self.skip_special_tokens,
@@ -88,6 +92,9 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("best_of is not supported (it must equal n)", "best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}", "logprobs")
+        if self.echo and self.logprobs is not None and self.max_tokens == 0:
+            raise InvalidRequestError("echo with logprobs needs max_tokens >= 1 (got 0): prompt logprobs come from a "
+                                      "model step, which max_tokens 0 skips", "max_tokens")
         return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs,
                               prompt_logprobs=self.logprobs if self.echo else None, **self._common())
 
@@ -131,6 +138,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
                                       "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 0:
+            raise InvalidRequestError(f"max_completion_tokens must be >= 0, got {self.max_completion_tokens}",
+                                      "max_completion_tokens")
         return SamplingParams(max_tokens=max_tokens, logprobs=(self.top_logprobs or 0) if self.logprobs else None,
                               **self._common())
 

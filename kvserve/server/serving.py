@@ -72,8 +72,10 @@ class OpenAIServing:
         return self._prepared("chatcmpl", arrival, text, ids, params), params
 
     # ------------------------------------------------------------------ running
-    def _streams(self, prepared: list[Prepared], params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
-        return [self.engine.generate(p.request_id, p.prompt_ids, params, p.prompt, p.timeline) for p in prepared]
+    def _streams(self, prepared: list[Prepared], params: SamplingParams,
+                 cache_salt: str | None = None) -> list[AsyncIterator[RequestOutput]]:
+        return [self.engine.generate(p.request_id, p.prompt_ids, params, p.prompt, p.timeline, cache_salt)
+                for p in prepared]
 
     async def _collect(self, request: Request, gens) -> list[RequestOutput]:
         async def drain(gen):
@@ -133,7 +135,7 @@ class OpenAIServing:
         self.check_model(body.model)
         include_usage = body.include_usage
         prepared, params = self.prepare_completion(body, arrival)
-        gens = self._streams(prepared, params)
+        gens = self._streams(prepared, params, body.cache_salt)
         if body.stream:
             return StreamingResponse(self._completion_stream(body, prepared, params, gens, include_usage),
                                      media_type="text/event-stream")
@@ -202,7 +204,7 @@ class OpenAIServing:
         self.check_model(body.model)
         include_usage = body.include_usage
         p, params = self.prepare_chat(body, arrival)
-        gens = self._streams([p], params)
+        gens = self._streams([p], params, body.cache_salt)
         if body.stream:
             return StreamingResponse(self._chat_stream(body, p, params, gens[0], include_usage),
                                      media_type="text/event-stream")
