@@ -18,13 +18,15 @@ class InvalidRequestError(ValueError):
 
 
 _MAX_LOGPROBS = 20
+_GREEDY_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32: sample greedily (as vLLM)
+_SEED_LIMIT = 2**63  # a 64-bit seed (seed + i for the i-th of n sequences stays below 2**64)
 
 
 @dataclass
 class SamplingParams:
     """How to sample one request's output tokens.
 
-    Greedy when ``temperature == 0`` (also ``top_k == 1``). ``top_k`` of 0 or -1 means off;
+    Greedy when ``temperature < 1e-5`` (also ``top_k == 1``). ``top_k`` of 0 or -1 means off;
     ``top_p`` must be in (0, 1] — ``top_p: 0`` is rejected, use ``temperature: 0`` for greedy.
     ``repetition_penalty`` (CTRL, Keskar et al. 2019) divides positive logits and multiplies negative
     ones of every token seen in the prompt or output; ``presence_penalty`` / ``frequency_penalty``
@@ -59,8 +61,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list(self.stop)
+        self.stop_token_ids = _as_list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -77,12 +79,22 @@ class SamplingParams:
         _number_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.seed is not None and (not _is_int(self.seed)):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.seed is not None and not -_SEED_LIMIT <= self.seed < _SEED_LIMIT:
+            raise InvalidRequestError(f"seed must be in [-2**63, 2**63), got {self.seed}", "seed")
         if self.max_tokens is not None:
             _int_at_least("max_tokens", self.max_tokens, 0)
         _int_at_least("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be a boolean, got {getattr(self, name)!r}", name)
+        if not isinstance(self.stop, list):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}", "stop")
+        if not isinstance(self.stop_token_ids, list):
+            raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}",
+                                      "stop_token_ids")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError(f"stop must be a list of non-empty strings, got {s!r}", "stop")
@@ -100,10 +112,17 @@ class SamplingParams:
     # ------------------------------------------------------------------ derived
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
 
     def clone(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
+
+
+def _as_list(value):
+    """None → [], a list or tuple → a list; anything else unchanged (``validate`` rejects it)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _is_int(x) -> bool:

@@ -6,9 +6,25 @@ import argparse
 
 def _ints(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if values and min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def _int_at_least(low: int):
+    """argparse type: an integer >= ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
 
 
 def add_bench_parser(sub) -> None:
@@ -18,14 +34,22 @@ def add_bench_parser(sub) -> None:
     bsub = b.add_subparsers(dest="bench", required=True)
     lat = bsub.add_parser("latency", help="batch-1 TTFT/ITL at several contexts; throughput under concurrency")
     lat.add_argument("--contexts", type=_ints, default=[128, 1024, 4096], help="prompt lengths, e.g. 128,1024,4096")
-    lat.add_argument("--output-tokens", type=int, default=32, help="tokens generated per batch-1 run")
+    lat.add_argument("--output-tokens", type=_int_at_least(2), default=32,
+                     help="tokens generated per batch-1 run (>= 2: ITL needs a decode step)")
     lat.add_argument("--concurrency", type=_ints, default=[1, 4, 16])
-    lat.add_argument("--concurrency-prompt-tokens", type=int, default=128)
-    lat.add_argument("--concurrency-output-tokens", type=int, default=64)
+    lat.add_argument("--concurrency-prompt-tokens", type=_int_at_least(1), default=128)
+    lat.add_argument("--concurrency-output-tokens", type=_int_at_least(1), default=64)
     lat.add_argument("--compare", choices=["hf"], default=None, help="run HF transformers on the same weights too")
     lat.add_argument("--json", default=None, help="also write the figures to this JSON file")
     add_engine_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
+    pre = bsub.add_parser("prefix", help="TTFT of requests sharing a system prompt, prefix caching on vs off")
+    pre.add_argument("--num-requests", type=int, default=16)
+    pre.add_argument("--system-tokens", type=int, default=1000)
+    pre.add_argument("--question-tokens", type=int, default=24)
+    pre.add_argument("--output-tokens", type=int, default=4)
+    add_engine_args(pre)
+    pre.set_defaults(func=cmd_bench_prefix)
     _add_serve_parser(bsub)
 
 
@@ -95,3 +119,17 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     if a.save_result:
         save_result(res, a.save_result)
     return 0 if res.metrics.completed else 1
+
+
+def cmd_bench_prefix(a: argparse.Namespace) -> int:
+    from kvserve.bench.prefix import format_prefix, run_prefix
+    from kvserve.cli import build_llm
+
+    results = {}
+    for caching in (True, False):
+        a.enable_prefix_caching = caching
+        llm = build_llm(a, progress=caching)
+        results[caching] = run_prefix(llm, a.num_requests, a.system_tokens, a.question_tokens, a.output_tokens)
+        del llm
+    print(format_prefix(results[True], results[False], a.system_tokens))
+    return 0

@@ -110,7 +110,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     if use_rep:
         prompt_counts = token_counts([r.prompt_token_ids for r in rows], vocab_size, device)
         seen = (prompt_counts > 0) | (output_counts > 0)
-        penalty = torch.tensor(rep, dtype=logits.dtype, device=device).unsqueeze(1)  # [num_rows, 1]
+        finfo = torch.finfo(logits.dtype)  # a penalty that rounds to 0 or inf would make 0 * inf = NaN
+        penalty = torch.tensor(rep, dtype=torch.float64).clamp(finfo.tiny, finfo.max)
+        penalty = penalty.to(device=device, dtype=logits.dtype).unsqueeze(1)  # [num_rows, 1]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
     if use_pf:
@@ -147,10 +149,10 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     """
     device, vocab_size = logits.device, logits.shape[1]
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
-    logits = logits / temperature.unsqueeze(1)
+    logits = (logits / temperature.unsqueeze(1)).clamp(max=torch.finfo(logits.dtype).max)  # inf breaks softmax
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
     positions = torch.arange(vocab_size, device=device).unsqueeze(0)  # [1, vocab]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+    top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], device=device)
     sorted_logits = sorted_logits.masked_fill(positions >= top_k.unsqueeze(1), float("-inf"))
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
     sorted_probs = sorted_logits.softmax(dim=-1)

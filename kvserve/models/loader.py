@@ -64,7 +64,10 @@ def _open_gguf(path: str):
 
     if not os.path.isfile(path):
         raise ConfigError(f"GGUF file not found: {path!r}")
-    return gguf.GGUFReader(path, "r")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except (ValueError, OSError) as e:  # bad magic, truncated or empty file
+        raise ConfigError(f"{path}: not a valid GGUF file ({e})") from e
 
 
 def _field(reader, key: str, default: Any = None) -> Any:
@@ -242,9 +245,12 @@ def _as_ids(value: Any) -> list[int]:
 def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            data = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def read_hf_config(directory: str) -> ModelConfig:

@@ -89,6 +89,12 @@ def install_handlers(app: FastAPI) -> None:
     async def _api(_: Request, e: APIError):
         return e.response()
 
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: Request, e: InvalidRequestError):
+        # A handler for ``Exception`` runs in Starlette's ServerErrorMiddleware, which re-raises after
+        # answering (logged as a crash, connection dropped): user errors need their own handler.
+        return from_exception(e).response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)

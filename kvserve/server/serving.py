@@ -167,6 +167,7 @@ class OpenAIServing:
         rid = fmt.new_id("cmpl")
         ended: set[int] = set()
         echoed: set[int] = set()
+        sent_chars: dict[int, int] = {}  # text already streamed per choice: text_offset counts from its start
         completion_tokens = 0
         try:
             async for i, out in self._merge(gens):
@@ -174,15 +175,21 @@ class OpenAIServing:
                     index = i * params.n + c.index
                     if index in ended:
                         continue
-                    text = c.delta_text
-                    if body.echo and index not in echoed:
-                        echoed.add(index)
-                        text = (prepared[i].prompt or "") + text
-                    logprobs = None
+                    text, pieces, entries = c.delta_text, [], []
                     if body.logprobs is not None and c.delta_token_ids:
                         ctx = prepared[i].prompt_ids + c.token_ids[:len(c.token_ids) - len(c.delta_token_ids)]
                         pieces = fmt.token_pieces(self.tokenizer, c.delta_token_ids, ctx)
-                        logprobs = fmt.completion_logprobs(self.tokenizer, pieces, (c.logprobs or [])[-len(pieces):])
+                        entries = (c.logprobs or [])[-len(pieces):]
+                    if body.echo and index not in echoed:
+                        echoed.add(index)
+                        text = (prepared[i].prompt or "") + text
+                        if body.logprobs is not None:  # the echoed prompt's tokens, as in the whole response
+                            pieces = fmt.token_pieces(self.tokenizer, prepared[i].prompt_ids) + pieces
+                            entries = list(out.prompt_logprobs or [None] * len(prepared[i].prompt_ids)) + entries
+                    logprobs = None
+                    if pieces:
+                        logprobs = fmt.completion_logprobs(self.tokenizer, pieces, entries, sent_chars.get(index, 0))
+                    sent_chars[index] = sent_chars.get(index, 0) + len(text)
                     if not text and not c.finished and logprobs is None:
                         continue
                     if c.finished:
