@@ -87,8 +87,15 @@ def _add_serve_parser(bsub) -> None:
 
 
 def cmd_bench_latency(a: argparse.Namespace) -> int:
+    import importlib.util
+
     from kvserve.bench.latency import format_report, run_latency_bench, save_json
     from kvserve.cli import build_llm
+    from kvserve.config import ConfigError
+
+    if a.compare == "hf" and importlib.util.find_spec("accelerate") is None:  # check before minutes of benchmarking
+        raise ConfigError("--compare hf needs HF transformers' GGUF loading, which needs accelerate: "
+                          "pip install -e '.[hf]'")
 
     llm = build_llm(a)
     rep = run_latency_bench(llm, a.contexts, a.output_tokens, a.concurrency, a.concurrency_prompt_tokens,
