@@ -10,13 +10,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention.kv_quant import QuantizedKVCache, quantized_paged_attention, write_kv_quantized
 from kvserve.attention.metadata import AttentionMetadata
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new K/V rows. k, v: [num_tokens, num_kv_heads, head_dim];
-    caches: [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64."""
+    caches: [num_blocks, block_size, num_kv_heads, head_dim] (or QuantizedKVCache); slot_mapping: [num_tokens] int64."""
+    if isinstance(key_cache, QuantizedKVCache):
+        return write_kv_quantized(key_cache, value_cache, k, v, slot_mapping)
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
@@ -28,8 +31,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache
 
     q: [num_tokens, num_heads, head_dim]; k, v: this step's new [num_tokens, num_kv_heads, head_dim]
     (already written to the cache; used directly when a sequence has no earlier context).
-    Returns [num_tokens, num_heads, head_dim].
+    Returns [num_tokens, num_heads, head_dim]. Quantized caches go to
+    :func:`kvserve.attention.kv_quant.quantized_paged_attention`.
     """
+    if isinstance(key_cache, QuantizedKVCache):
+        return quantized_paged_attention(q, key_cache, value_cache, meta, scale)
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:

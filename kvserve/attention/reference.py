@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.attention.kv_quant import QuantizedKVCache, dequantize_cache
 from kvserve.attention.metadata import AttentionMetadata
 
 
@@ -15,7 +16,10 @@ def reference_paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_ca
                               meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim] in q's dtype. Query token i of a sequence with
-    context c sees cache positions 0 .. c + i."""
+    context c sees cache positions 0 .. c + i. A QuantizedKVCache is dequantized first (plain
+    quantize → dequantize → attend: the oracle for the fused quantized path)."""
+    if isinstance(key_cache, QuantizedKVCache):
+        key_cache, value_cache = dequantize_cache(key_cache), dequantize_cache(value_cache)
     num_heads, num_kv_heads = q.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)

@@ -3,6 +3,8 @@
 Per token, standard multi-head / grouped-query / multi-query attention stores K and V for every
 layer: ``2 × num_layers × num_kv_heads × head_dim × bytes_per_element`` (GQA: Ainslie et al. 2023;
 MQA is num_kv_heads = 1). Example: Llama-3-70B in bf16 = 2 × 80 × 8 × 128 × 2 = 327,680 B.
+A 1-byte dtype (int8, fp8) also stores a float32 scale per token and KV head
+(kvserve/attention/kv_quant.py): ``2 × num_layers × num_kv_heads × (head_dim × 1 + 4)``.
 """
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import ConfigError, ModelConfig
+
+
+_QUANTIZED = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +35,18 @@ class KVCacheSpec:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def is_quantized(self) -> bool:
+        """One byte per value with a scale beside each head vector (int8 / fp8)."""
+        return self.dtype in _QUANTIZED
+
+    @property
+    def scale_bytes_per_head(self) -> int:
+        """Scale bytes per token, layer, K-or-V and KV head (0 for float caches)."""
+        return 4 if self.is_quantized else 0
+
+    @property
     def bytes_per_token_per_layer(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.bytes_per_element
+        return 2 * self.num_kv_heads * (self.head_dim * self.bytes_per_element + self.scale_bytes_per_head)
 
     @property
     def bytes_per_token(self) -> int:

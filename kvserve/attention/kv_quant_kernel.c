@@ -1,0 +1,150 @@
+/* Fused dequantize + decode attention over a paged 1-byte KV cache (see kv_quant_kernel.py).
+ *
+ * Codes: 0 = int8, 1 = float8 e4m3fn, 2 = float8 e5m2. A cached value is code_to_float(byte) * scale,
+ * one float32 scale per (slot, kv head). The scale of K folds into the score, the scale of V into the
+ * softmax weight, so the inner loops only convert bytes to floats (in registers, never to memory).
+ * fp8 -> float: place the 7 magnitude bits at the top of a float's exponent/mantissa fields and
+ * multiply by 2^(127 - bias) (bias 7 for e4m3, 15 for e5m2); exact for normals and subnormals.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bits_to_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+
+static inline void decode_row(const uint8_t *src, float *dst, int d, int code) {
+    if (code == 0) {
+        for (int i = 0; i < d; i++) dst[i] = (float)(int8_t)src[i];
+    } else if (code == 1) {
+        for (int i = 0; i < d; i++) {
+            uint32_t x = src[i];
+            dst[i] = bits_to_float(((x & 0x80u) << 24) | ((x & 0x7Fu) << 20)) * 0x1p120f;
+        }
+    } else {
+        for (int i = 0; i < d; i++) {
+            uint32_t x = src[i];
+            dst[i] = bits_to_float(((x & 0x80u) << 24) | ((x & 0x7Fu) << 21)) * 0x1p112f;
+        }
+    }
+}
+
+/* One (sequence, kv head, chunk of tokens [t_begin, t_end)): G query rows. Writes the chunk's partial
+ * softmax state (flash-decoding, Dao et al. 2023): running max mx[G], sum of exp sum[G] and the
+ * unnormalized output acc[G, d]. Inlined with d a literal (64/128/256) so the row loops unroll and
+ * vectorize; t_begin is a multiple of bs, so blocks are walked whole (no per-token division). */
+static inline __attribute__((always_inline)) void attend_chunk(
+        const float *qb, const uint8_t *kc, const uint8_t *vc, const float *ks, const float *vs,
+        const int64_t *table, int64_t t_begin, int64_t t_end, float *acc, float *mx, float *sum,
+        int G, int Hkv, int h, const int d, int bs, float scale, int code) {
+    const int64_t L = t_end - t_begin;
+    float *scores = malloc(sizeof(float) * (size_t)(G * L + d));
+    float *row = scores + G * L;
+    for (int g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.f; }
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
+        const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t slot = base + j, t = t0 + j - t_begin;
+            decode_row(kc + (slot * Hkv + h) * d, row, d, code);
+            const float sk = ks[slot * Hkv + h] * scale;
+            for (int g = 0; g < G; g++) {
+                const float *qg = qb + g * d;
+                float dot = 0.f;
+                for (int i = 0; i < d; i++) dot += qg[i] * row[i];
+                const float sc = dot * sk;
+                scores[g * L + t] = sc;
+                if (sc > mx[g]) mx[g] = sc;
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float z = 0.f;
+        for (int64_t t = 0; t < L; t++) { float e = expf(scores[g * L + t] - mx[g]); scores[g * L + t] = e; z += e; }
+        sum[g] = z;
+    }
+    memset(acc, 0, sizeof(float) * G * d);
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
+        const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t slot = base + j, t = t0 + j - t_begin;
+            decode_row(vc + (slot * Hkv + h) * d, row, d, code);
+            const float sv = vs[slot * Hkv + h];
+            for (int g = 0; g < G; g++) {
+                const float w = scores[g * L + t] * sv;
+                float *a = acc + g * d;
+                for (int i = 0; i < d; i++) a[i] += w * row[i];
+            }
+        }
+    }
+    free(scores);
+}
+
+/* q: [B, H, d]; caches: [num_blocks, bs, Hkv, d] codes; scales: [num_blocks, bs, Hkv];
+ * block_tables: [B, bt_stride]; seq_lens: [B]; out: [B, H, d]. Query heads h*G .. h*G+G-1 share kv head h.
+ * Work items are (sequence, kv head, chunk of ~512 tokens) so one long sequence keeps every thread busy;
+ * the chunks' partial softmax states are then merged: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) z_c. */
+void kvq_decode_attention(const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks,
+                          const float *vs, const int64_t *block_tables, int64_t bt_stride,
+                          const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
+                          float scale, int code, int num_threads) {
+    const int G = H / Hkv;
+    const int64_t chunk = ((512 + bs - 1) / bs) * bs;
+    int64_t *first = malloc(sizeof(int64_t) * (B + 1));  /* first work item of each sequence */
+    first[0] = 0;
+    for (int b = 0; b < B; b++) first[b + 1] = first[b] + Hkv * ((seq_lens[b] + chunk - 1) / chunk);
+    const int64_t num_items = first[B];
+    float *part = malloc(sizeof(float) * (size_t)(num_items * G * (d + 2)));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < num_items; item++) {
+        int b = 0;
+        while (first[b + 1] <= item) b++;
+        const int64_t nchunks = (first[b + 1] - first[b]) / Hkv, local = item - first[b];
+        const int h = (int)(local / nchunks);
+        const int64_t c = local % nchunks, t_begin = c * chunk;
+        const int64_t t_end = t_begin + chunk < seq_lens[b] ? t_begin + chunk : seq_lens[b];
+        const float *qb = q + ((int64_t)b * H + (int64_t)h * G) * d;
+        const int64_t *table = block_tables + b * bt_stride;
+        float *acc = part + item * G * (d + 2), *mx = acc + G * d, *sum = mx + G;
+        switch (d) {
+            case 64: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 64, bs, scale, code); break;
+            case 128: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 128, bs, scale, code); break;
+            case 256: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 256, bs, scale, code); break;
+            default: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, d, bs, scale, code);
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        const int64_t nchunks = (first[b + 1] - first[b]) / Hkv;
+        for (int h = 0; h < Hkv; h++)
+            for (int g = 0; g < G; g++) {
+                const float *p0 = part + (first[b] + (int64_t)h * nchunks) * G * (d + 2);
+                float M = -INFINITY, Z = 0.f;
+                for (int64_t c = 0; c < nchunks; c++) {
+                    const float m = p0[c * G * (d + 2) + G * d + g];
+                    if (m > M) M = m;
+                }
+                float *o = out + ((int64_t)b * H + (int64_t)h * G + g) * d;
+                for (int i = 0; i < d; i++) o[i] = 0.f;
+                for (int64_t c = 0; c < nchunks; c++) {
+                    const float *pc = p0 + c * G * (d + 2);
+                    const float w = expf(pc[G * d + g] - M);
+                    Z += w * pc[G * d + G + g];
+                    for (int i = 0; i < d; i++) o[i] += w * pc[g * d + i];
+                }
+                for (int i = 0; i < d; i++) o[i] /= Z;
+            }
+    }
+    free(part);
+    free(first);
+}
+
+/* Dequantize n rows of d codes: dst[r, :] = code_to_float(src[r, :]) * scales[r]. src: [n, d]; dst: [n, d]. */
+void kvq_dequantize(const uint8_t *src, const float *scales, float *dst, int64_t n, int d, int code,
+                    int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < n; r++) {
+        float *o = dst + r * d;
+        decode_row(src + r * d, o, d, code);
+        const float s = scales[r];
+        for (int i = 0; i < d; i++) o[i] *= s;
+    }
+}

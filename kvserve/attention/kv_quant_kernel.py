@@ -1,0 +1,79 @@
+"""Loads the fused dequantize-and-attend C kernel (``kv_quant_kernel.c``), compiled on first use.
+
+Built with the system C compiler (``cc -O3 -march=native -fopenmp``) into ``~/.cache/kvserve`` under a
+name that hashes the source and flags, and called through ctypes on tensors' data pointers. Returns
+None when no compiler is available (set ``KVSERVE_NO_KV_KERNEL=1`` to force that); callers then use
+the plain PyTorch path in :mod:`kvserve.attention.kv_quant`.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).with_name("kv_quant_kernel.c")
+# no -ffast-math: with GCC < 13 it would set flush-to-zero for the whole process when the library loads
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+          "-fno-signed-zeros", "-fassociative-math"]
+CODES = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or None (no compiler, build failure, or KVSERVE_NO_KV_KERNEL=1)."""
+    if os.environ.get("KVSERVE_NO_KV_KERNEL") or not _SRC.exists():
+        return None
+    src = _SRC.read_bytes()
+    tag = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
+    lib = cache / f"kv_quant_kernel_{tag}.so"
+    if not lib.exists():
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+            os.close(fd)
+            subprocess.run([os.environ.get("CC", "cc"), *_FLAGS, str(_SRC), "-o", tmp, "-lm"], check=True,
+                           capture_output=True, timeout=120)
+            os.replace(tmp, lib)  # atomic: concurrent processes never load a half-written file
+        except (OSError, subprocess.SubprocessError):
+            return None
+    dll = ctypes.CDLL(str(lib))
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    dll.kvq_decode_attention.argtypes = [p, p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, i32]
+    dll.kvq_decode_attention.restype = None
+    dll.kvq_dequantize.argtypes = [p, p, p, i64, i32, i32, i32]
+    dll.kvq_dequantize.restype = None
+    return dll
+
+
+def decode_attention(dll: ctypes.CDLL, q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
+                     k_scale: torch.Tensor, v_scale: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
+    """q: [B, H, d] float32; codes: [num_blocks, bs, Hkv, d] uint8; scales: [num_blocks, bs, Hkv] float32;
+    block_tables: [B, max_blocks] int64; seq_lens: [B] int64. Returns [B, H, d] float32."""
+    B, H, d = q.shape
+    _, bs, Hkv, _ = k_codes.shape
+    assert H // Hkv <= 64 and q.dtype == torch.float32
+    q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
+    out = torch.empty_like(q)
+    dll.kvq_decode_attention(q.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(), k_scale.data_ptr(),
+                             v_scale.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                             seq_lens.data_ptr(), out.data_ptr(), B, H, Hkv, d, bs, scale, CODES[kind],
+                             torch.get_num_threads())
+    return out
+
+
+def dequantize(dll: ctypes.CDLL, codes: torch.Tensor, scales: torch.Tensor, kind: str) -> torch.Tensor:
+    """codes: [..., d] uint8 (contiguous); scales: [...] float32. Returns [..., d] float32."""
+    codes, scales = codes.contiguous(), scales.contiguous().float()
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    d = codes.shape[-1]
+    dll.kvq_dequantize(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), codes.numel() // d, d, CODES[kind],
+                       torch.get_num_threads())
+    return out

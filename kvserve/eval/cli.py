@@ -1,0 +1,58 @@
+"""``kvserve eval ppl``: perplexity through the engine, optionally beside a reference KV dtype."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_eval_parser(sub) -> None:
+    from kvserve.cli import add_engine_args
+
+    e = sub.add_parser("eval", help="quality measurements (perplexity, KV dtype comparison)")
+    esub = e.add_subparsers(dest="eval", required=True)
+    p = esub.add_parser("ppl", help="perplexity over CPython's pydoc_data text through the paged engine",
+                        description="Perplexity over the English text of CPython's pydoc_data.topics, each window "
+                                    "one request scored with prompt logprobs and prefilled in chunks of "
+                                    "--max-num-batched-tokens (default 256 here) so later chunks read the cache.")
+    p.add_argument("--context", type=int, default=2048, help="tokens per window")
+    p.add_argument("--num-windows", type=int, default=1, help="consecutive windows of the text to score")
+    p.add_argument("--compare-kv-dtype", default=None,
+                   choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"],
+                   help="also score with this KV dtype and report teacher-forced mean/max |Δ logprob|")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_eval_ppl, max_num_batched_tokens=256)
+
+
+def cmd_eval_ppl(a: argparse.Namespace) -> int:
+    import gc
+
+    from kvserve.cli import build_llm
+    from kvserve.eval.ppl import compare, corpus_text, format_comparison, format_result, perplexity, windows
+
+    a.enable_prefix_caching = False  # every window is scored in full, never served from another's blocks
+    a.max_model_len = max(a.max_model_len, a.context + 1)
+    llm = build_llm(a)
+    ids = windows(llm.tokenizer.encode(corpus_text(), add_special_tokens=False), a.context, a.num_windows)
+    result = perplexity(llm, a.kv_cache_dtype, ids)
+    report: dict = {"test": _summary(result)}
+    if a.compare_kv_dtype is None:
+        print(format_result(result))
+    else:
+        del llm
+        gc.collect()
+        a.kv_cache_dtype = a.compare_kv_dtype
+        ref = perplexity(build_llm(a, progress=False), a.compare_kv_dtype, ids)
+        c = compare(result, ref)
+        print(format_comparison(c))
+        report.update(reference=_summary(ref), mean_abs_delta=c.mean_abs_delta, p99_abs_delta=c.p99_abs_delta,
+                      max_abs_delta=c.max_abs_delta)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def _summary(r) -> dict:
+    return {"kv_cache_dtype": r.kv_cache_dtype, "ppl": r.ppl, "context": r.context, "num_windows": r.num_windows,
+            "num_scored_tokens": r.num_scored_tokens}

@@ -1,0 +1,182 @@
+"""Quantized KV cache: round-trip error bounds per dtype, fused kernel vs the plain reference
+(quantize → dequantize → float64 attention), the torch fallback vs the kernel, bytes per token by hand,
+config validation, and engine behaviour (chunking and preemption invariance) on the tiny model."""
+import pytest
+import torch
+
+from kvserve.attention import AttentionMetadata, kv_quant, kv_quant_kernel, paged_attention, write_kv
+from kvserve.attention.kv_quant import QuantizedKVCache, dequantize, quantize
+from kvserve.attention.reference import reference_paged_attention
+from kvserve.config import CacheConfig, ConfigError, ModelConfig, parse_kv_cache_dtype
+from kvserve.kv_cache.spec import KVCacheSpec
+from kvserve.sampling_params import SamplingParams
+from tests.conftest import tiny_llm
+
+KINDS = ["int8", "fp8_e4m3", "fp8_e5m2"]
+# Largest |x - dequantize(quantize(x))| relative to the vector's max|x|: int8 rounds to 1/254 of the range;
+# fp8 relative to each value: e4m3 2^-4 (3 mantissa bits, round to nearest), e5m2 2^-3.
+ROUND_TRIP = {"int8": 1 / 254 + 1e-6, "fp8_e4m3": 2 ** -4, "fp8_e5m2": 2 ** -3}
+# Fused kernel vs reference on the same quantized cache: float32 summation order only.
+KERNEL_TOL = 2e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_error_bound(kind):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 3, 64, generator=g) * torch.logspace(-3, 2, 512)[:, None, None]  # 5 decades of scale
+    codes, scale = quantize(x, kind)
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape and scale.shape == x.shape[:-1]
+    y = dequantize(codes, scale, kind)
+    amax = x.abs().amax(-1, keepdim=True)
+    if kind == "int8":
+        err = ((y - x).abs() / amax).max()
+    else:  # relative to each value, for values in fp8's normal range after scaling
+        normal = x.abs() / amax * QMAX[kind] >= SMALLEST_NORMAL[kind]
+        err = ((y - x).abs() / x.abs())[normal].max()
+    assert err <= ROUND_TRIP[kind], err
+    assert (y.abs().amax(-1) - amax[..., 0]).abs().max() <= 1e-6 * amax.max()  # max|x| is exact
+
+
+QMAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+SMALLEST_NORMAL = {"fp8_e4m3": 2 ** -6, "fp8_e5m2": 2 ** -14}
+
+
+def test_zero_vector_quantizes_to_zero():
+    codes, scale = quantize(torch.zeros(2, 1, 8), "int8")
+    assert (dequantize(codes, scale, "int8") == 0).all() and (scale > 0).all()
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_kernel_fp8_decoding_matches_torch_for_every_code(kind):
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        pytest.skip("no C compiler")
+    dtype = kv_quant.QUANT_KINDS[kind][0]
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(dtype).float()
+    finite = want.isfinite()
+    got = kv_quant_kernel.dequantize(dll, codes[None], torch.ones(1), kind)[0]
+    assert torch.equal(got[finite], want[finite])
+
+
+def _run(kind, num_heads, num_kv_heads, context_lens, query_lens, block_size=4, head_dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 400
+    kc = QuantizedKVCache.zeros(kind, num_blocks, block_size, num_kv_heads, head_dim)
+    vc = QuantizedKVCache.zeros(kind, num_blocks, block_size, num_kv_heads, head_dim)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[perm.pop() for _ in range(-(-(c + q) // block_size))] for c, q in zip(context_lens, query_lens)]
+    prev = AttentionMetadata.build(tables, [0] * len(tables), list(context_lens), block_size)
+    n_prev = sum(context_lens)
+    if n_prev:
+        write_kv(kc, vc, torch.randn(n_prev, num_kv_heads, head_dim, generator=g),
+                 torch.randn(n_prev, num_kv_heads, head_dim, generator=g), prev.slot_mapping)
+    meta = AttentionMetadata.build(tables, list(context_lens), list(query_lens), block_size)
+    T = sum(query_lens)
+    q = torch.randn(T, num_heads, head_dim, generator=g)
+    k = torch.randn(T, num_kv_heads, head_dim, generator=g)
+    v = torch.randn(T, num_kv_heads, head_dim, generator=g)
+    write_kv(kc, vc, k, v, meta.slot_mapping)
+    scale = head_dim ** -0.5
+    return paged_attention(q, k, v, kc, vc, meta, scale), reference_paged_attention(q, kc, vc, meta, scale)
+
+
+CASES = [([0], [7]), ([5], [6]), ([8], [4]), ([3, 8, 15], [1, 1, 1]), ([4, 7, 0, 9], [1, 1, 5, 3]), ([40], [1]),
+         ([1100, 3], [1, 1])]  # > 512 tokens: the kernel splits a sequence into chunks and merges them
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=["MHA", "GQA", "MQA"])
+@pytest.mark.parametrize("case", CASES)
+def test_fast_matches_quantized_reference(kind, heads, case):
+    fast, ref = _run(kind, *heads, *case)
+    assert (fast - ref).abs().max() <= KERNEL_TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_torch_fallback_matches_kernel(kind, monkeypatch):
+    fast, ref = _run(kind, 8, 2, [4, 7, 0, 9], [1, 1, 5, 3])
+    monkeypatch.setattr(kv_quant_kernel, "load", lambda: None)
+    slow, _ = _run(kind, 8, 2, [4, 7, 0, 9], [1, 1, 5, 3])
+    assert (slow - ref).abs().max() <= KERNEL_TOL and (slow - fast).abs().max() <= KERNEL_TOL
+
+
+# ---------------------------------------------------------------------- bytes per token, config
+@pytest.mark.parametrize("name,per_value,scale", [("float32", 4, 0), ("bfloat16", 2, 0), ("fp8_e4m3", 1, 4),
+                                                  ("fp8_e5m2", 1, 4), ("int8", 1, 4)])
+def test_bytes_per_token_by_hand(name, per_value, scale):
+    smol = ModelConfig(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576)
+    spec = KVCacheSpec.from_model(smol, parse_kv_cache_dtype(name, torch.float32), block_size=16)
+    # K and V x 30 layers x 3 KV heads x (64 values x bytes + scale bytes)
+    assert spec.bytes_per_token == 2 * 30 * 3 * (64 * per_value + scale)
+    assert spec.bytes_per_token == {"float32": 46080, "bfloat16": 23040}.get(name, 12240)
+    assert spec.bytes_per_block == 16 * spec.bytes_per_token
+
+
+def test_bad_kv_cache_dtype_is_a_config_error():
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto|.*int8.*got 'fp4'"):
+        CacheConfig(kv_cache_dtype="fp4").validate()
+    with pytest.raises(ConfigError):
+        tiny_llm(kv_cache_dtype="float8")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_engine_reports_quantized_bytes(kind):
+    llm = tiny_llm(kv_cache_dtype=kind)
+    spec = llm.engine.kv_spec
+    cfg = llm.engine.model_config
+    assert spec.bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + 4)
+    llm.generate("hello", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert llm.engine.step_stats[-1].kv_bytes_per_token == spec.bytes_per_token
+    k, v = llm.engine.runner.kv_caches[0]
+    assert isinstance(k, QuantizedKVCache) and k.codes.dtype == torch.uint8 and k.kind == kind
+
+
+# ---------------------------------------------------------------------- engine invariance
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "int8"])
+def test_chunked_prefill_reads_the_cache_like_a_whole_prefill(kind):
+    """Every query attends to the dequantized cache, so chunking does not change the answer."""
+    prompt = "chunk " * 100
+    whole = tiny_llm(kv_cache_dtype=kind).generate(prompt, GREEDY)[0].outputs[0].token_ids
+    chunked = tiny_llm(kv_cache_dtype=kind, max_num_batched_tokens=16).generate(prompt, GREEDY)[0].outputs[0].token_ids
+    assert chunked == whole
+
+
+@pytest.mark.parametrize("kind", ["fp8_e5m2", "int8"])
+def test_preemption_with_quantized_cache_gives_the_same_tokens(kind):
+    prompts = [f"request number {i} " + "word " * (10 + 7 * i) for i in range(8)]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in range(7)]
+    params.append(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2))
+    ids = lambda outs: [[c.token_ids for c in o.outputs] for o in outs]  # noqa: E731
+    ref = ids(tiny_llm(max_model_len=256, kv_cache_dtype=kind).generate(prompts, params))
+    small = tiny_llm(max_model_len=256, num_kv_blocks=18, block_size=16, kv_cache_dtype=kind)
+    got = small.generate(prompts, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert ids(got) == ref
+    assert small.engine.kv_manager.num_free_blocks == small.engine.num_kv_blocks
+
+
+def test_metrics_gauge_reports_quantized_bytes():
+    from kvserve.metrics.prometheus import ServerMetrics
+
+    llm = tiny_llm(kv_cache_dtype="int8")
+    m = ServerMetrics("tiny")
+    m.on_step(llm.engine, [])
+    assert b'kvserve:kv_cache_bytes_per_token{model_name="tiny"} 160.0' in m.render()  # K,V x 2 x 2 x (16 + 4)
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "int8"])
+def test_prefix_cache_hit_on_quantized_blocks_gives_the_same_tokens(kind):
+    """Blocks are just blocks: a request that starts from cached quantized blocks (and their scales)
+    generates what a cold run generates."""
+    prompt = "shared system prompt " * 12 + "and then a question?"
+    cold = tiny_llm(kv_cache_dtype=kind, enable_prefix_caching=False).generate(prompt, GREEDY)[0].outputs[0].token_ids
+    warm = tiny_llm(kv_cache_dtype=kind)
+    first = warm.generate(prompt, GREEDY)[0]
+    hits = warm.engine.kv_manager.num_hit_tokens
+    second = warm.generate(prompt, GREEDY)[0]
+    assert warm.engine.kv_manager.num_hit_tokens - hits >= 16  # the second request started from cached blocks
+    assert first.outputs[0].token_ids == cold and second.outputs[0].token_ids == cold

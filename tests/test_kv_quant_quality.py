@@ -1,0 +1,65 @@
+"""FAILURE-KINDS 12 (fp8 KV cache runs away) on the bundled SmolLM2: 10 chat prompts, greedy. With an
+fp8_e4m3 / int8 KV cache every answer whose float32 answer stops (EOS) also stops, not much later
+(greedy paths may diverge: a 135M model then gives a different, often shorter, answer), never loops
+where float32 does not;
+and float32's own answers, teacher-forced through each cache, keep mean |Δ logprob| under MEAN_DELTA."""
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.eval.ppl import window_logprobs
+
+PROMPTS = ["What is the capital of France?", "Give me three tips for sleeping better.",
+           "Explain what a hash table is in two sentences.", "Write a haiku about autumn.",
+           "What is 12 times 7?", "Name the planets of the solar system.",
+           "How do I boil an egg?", "Translate 'good morning' into Spanish.",
+           "What does a CPU do?", "Summarize the plot of Romeo and Juliet in one sentence."]
+MAX_TOKENS = 160
+# Teacher-forced mean |Δ logprob| of float32's 10 answers (1,001 tokens), measured: int8 0.0129,
+# fp8_e4m3 0.0287, fp8_e5m2 0.0625 (max 0.19 / 0.36 / 2.1). Thresholds: ~2x the measured mean.
+MEAN_DELTA = {"int8": 0.03, "fp8_e4m3": 0.06, "fp8_e5m2": 0.12}
+CONVS = [[{"role": "user", "content": p}] for p in PROMPTS]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+
+
+def _loops(ids: list[int], tail: int = 48) -> bool:
+    """True when the last ``tail`` tokens are one short pattern (period ≤ 12) repeated."""
+    t = ids[-tail:]
+    return len(t) == tail and any(all(t[i] == t[i % p] for i in range(tail)) for p in range(1, 13))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """float32 answers, the prompt+answer token ids, and their float32 teacher-forced logprobs."""
+    llm = LLM(progress=False, max_model_len=1024)
+    outs = llm.chat(CONVS, GREEDY)
+    full = [llm.encode_chat(c)[1] + o.outputs[0].token_ids for c, o in zip(CONVS, outs)]
+    prompt_lens = [len(llm.encode_chat(c)[1]) for c in CONVS]
+    return outs, full, prompt_lens, window_logprobs(llm, full)
+
+
+def _mean_abs_delta(lp_q, lp_f, prompt_lens) -> tuple[float, float]:
+    d = [abs(a - b) for wa, wb, n in zip(lp_q, lp_f, prompt_lens) for a, b in zip(wa[n - 1:], wb[n - 1:])]
+    return sum(d) / len(d), max(d)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "int8", pytest.param("fp8_e5m2", marks=pytest.mark.xfail(
+    reason="2 mantissa bits: on SmolLM2-135M 1-2 of the 10 answers degenerate and run (nearly) to max_tokens "
+           "(ppl +4.8% at 2k); use fp8_e4m3 or int8", strict=False))])
+def test_12_quantized_cache_stops_where_full_precision_stops(reference, kind):
+    ref_outs, full, prompt_lens, lp_f = reference
+    llm = LLM(progress=False, max_model_len=1024, kv_cache_dtype=kind)
+    mean, worst = _mean_abs_delta(window_logprobs(llm, full), lp_f, prompt_lens)
+    print(f"\n{kind}: teacher-forced mean |Δ logprob| {mean:.4f}, max {worst:.3f}")
+    assert mean < MEAN_DELTA[kind]
+    outs = llm.chat(CONVS, GREEDY)
+    same = sum(r.outputs[0].token_ids == o.outputs[0].token_ids for r, o in zip(ref_outs, outs))
+    print(f"{kind}: {same}/10 answers token-identical to float32; lengths "
+          f"{[(len(r.outputs[0].token_ids), len(o.outputs[0].token_ids)) for r, o in zip(ref_outs, outs)]}")
+    for r, o in zip(ref_outs, outs):
+        rc, oc = r.outputs[0], o.outputs[0]
+        if not _loops(rc.token_ids):  # the 135M model itself loops on some prompts in float32
+            assert not _loops(oc.token_ids), oc.text
+        if rc.finish_reason == "stop":
+            assert oc.finish_reason == "stop", (kind, rc.text, oc.text)
+            assert len(oc.token_ids) <= 1.5 * len(rc.token_ids) + 16, (rc.text, oc.text)
