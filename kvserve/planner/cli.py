@@ -1,0 +1,142 @@
+"""``kvserve plan | explain | probe`` sub-commands."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_planner_parsers(sub) -> None:
+    from kvserve.planner.shapes import DTYPE_BYTES
+
+    dtypes = sorted(k for k in DTYPE_BYTES if len(k) <= 4)
+    p = sub.add_parser("plan", help="predict TTFT, ITL and E2E of a model on hardware (roofline)")
+    p.add_argument("--model", default="llama-3-70b", help="table name, HF config.json / directory, or .gguf")
+    p.add_argument("--hardware", default="h100-sxm", help="a100-80gb-sxm, h100-sxm, h100-pcie, h200, b200, "
+                   "mi300x, l40s, or local (after `kvserve probe`)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs")
+    p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.add_argument("--output-tokens", type=int, default=250)
+    p.add_argument("--batch", type=int, default=1, help="concurrent sequences decoding together")
+    p.add_argument("--weight-dtype", default="bf16", choices=dtypes)
+    p.add_argument("--kv-dtype", default="bf16", choices=dtypes)
+    p.add_argument("--chunk-tokens", type=int, default=0, help="prefill chunk (max_num_batched_tokens); 0 = one step")
+    p.add_argument("--tokenize-ms", type=float, default=0.0, help="measured tokenization time to add")
+    p.add_argument("--queue-ms", type=float, default=0.0, help="measured queueing time to add")
+    p.add_argument("--network-ms", type=float, default=0.0, help="measured network/detokenize time to add")
+    p.add_argument("--spec-acceptance", type=float, default=None, help="speculative decoding: acceptance rate α")
+    p.add_argument("--spec-tokens", type=int, default=4, help="speculative decoding: draft length γ")
+    p.add_argument("--draft-model", default=None, help="draft model for speculative decoding (its cost is added)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--sweep", choices=["context", "batch"], default=None, help="table + PNG over context or batch")
+    p.add_argument("--plot", default=None, help="PNG path for --sweep (default plan-<model>-<axis>.png)")
+    p.set_defaults(func=cmd_plan)
+
+    e = sub.add_parser("explain", help="measured vs predicted TTFT/ITL here, at several contexts")
+    e.add_argument("--model", default="smollm2-135m")
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    e.add_argument("--contexts", type=_ints, default=[128, 1024, 4096])
+    e.add_argument("--output-tokens", type=int, default=32)
+    e.add_argument("--probe", action="store_true", help="re-run `kvserve probe` first (same sitting)")
+    e.add_argument("--plot", default="explain-itl.png", help="PNG of ITL vs context ('' = none)")
+    e.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    e.set_defaults(func=cmd_explain)
+
+    pr = sub.add_parser("probe", help="measure this machine's bandwidth, FLOP/s and engine overhead")
+    pr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype `local` plans with")
+    pr.add_argument("--no-engine", action="store_true", help="skip the engine overhead measurement")
+    pr.add_argument("--output", default=None, help="JSON path (default $KVSERVE_CACHE_DIR/probe.json)")
+    pr.set_defaults(func=cmd_probe)
+
+
+def _resolve(a: argparse.Namespace):
+    from kvserve.planner.cost import Workload
+    from kvserve.planner.hardware import efficiency_for, get_hardware
+    from kvserve.planner.models import get_model
+
+    shape, hw = get_model(a.model), get_hardware(a.hardware)
+    w = Workload(a.prompt_tokens, a.output_tokens, a.batch, a.tp, a.weight_dtype, a.kv_dtype, a.chunk_tokens,
+                 a.tokenize_ms, a.queue_ms, a.network_ms).validate()
+    return shape, hw, efficiency_for(hw), w
+
+
+def _spec(a, shape, hw, eff, w, p) -> dict | None:
+    """Speculative-decoding estimate (Leviathan et al. 2023) when --spec-acceptance is given."""
+    if a.spec_acceptance is None:
+        return None
+    from dataclasses import asdict, replace
+
+    from kvserve.planner.cost import decode_step, step_cost
+    from kvserve.planner.models import get_model
+    from kvserve.planner.spec_decode import speculative_itl
+
+    ctx = w.prompt_tokens + w.output_tokens / 2
+    g = a.spec_tokens
+    verify = step_cost(shape, hw, eff, w, w.batch * (g + 1), [ctx] * w.batch,
+                       w.batch * (g + 1) * shape.decode_attention_flops(int(ctx)), w.batch * (g + 1)).time_s * 1e3
+    draft = 0.0
+    if a.draft_model:
+        draft = decode_step(get_model(a.draft_model), hw, eff, replace(w, tp=1), ctx).time_s * 1e3
+    return asdict(speculative_itl(p.itl_ms, verify, draft, a.spec_acceptance, g)) | {"draft_step_ms": draft,
+                                                                                      "verify_step_ms": verify}
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from kvserve.planner.cost import plan
+    from kvserve.planner.report import format_plan, format_sweep, plan_dict, plot_sweep, sweep
+
+    shape, hw, eff, w = _resolve(a)
+    if a.sweep:
+        rows = sweep(shape, hw, eff, w, a.sweep)
+        print(format_sweep(rows, a.sweep))
+        path = a.plot or f"plan-{shape.name}-{a.sweep}.png"
+        plot_sweep(rows, a.sweep, f"{shape.name} on {w.tp}× {hw.name}, batch {w.batch}" if a.sweep == "context"
+                   else f"{shape.name} on {w.tp}× {hw.name}, {w.prompt_tokens} prompt tokens", path)
+        print(f"wrote {path}", file=sys.stderr)
+        return 0
+    p = plan(shape, hw, eff, w)
+    spec = _spec(a, shape, hw, eff, w, p)
+    if a.json:
+        print(json.dumps(plan_dict(p, shape, hw, w) | ({"speculative": spec} if spec else {})))
+        return 0
+    print(format_plan(p, shape, hw, w))
+    if spec:
+        print(f"  speculative (α={a.spec_acceptance}, γ={a.spec_tokens}): {spec['tokens_per_step']:.2f} tokens/step, "
+              f"ITL {spec['itl_ms']:.2f} ms, speed-up {spec['speedup']:.2f}× (draft step {spec['draft_step_ms']:.2f} ms)")
+    return 0
+
+
+def cmd_probe(a: argparse.Namespace) -> int:
+    from kvserve.planner.probe import format_probe, run_probe, save_probe
+
+    res = run_probe(dtype=a.dtype, engine_overhead=not a.no_engine)
+    print(format_probe(res))
+    print(f"saved {save_probe(res, a.output)}", file=sys.stderr)
+    return 0
+
+
+def cmd_explain(a: argparse.Namespace) -> int:
+    from kvserve.llm import LLM
+    from kvserve.planner.explain import format_explain, plot_explain, rows_as_dicts, run_explain
+    from kvserve.planner.probe import load_probe, run_probe, save_probe
+
+    probe = run_probe(dtype=a.dtype) if a.probe else load_probe()
+    if a.probe:
+        save_probe(probe)
+    probe.dtype = a.dtype
+    llm = LLM(a.model, dtype=a.dtype, max_model_len=max(a.contexts) + a.output_tokens + 16, progress=False)
+    rows = run_explain(llm, probe, a.contexts, a.output_tokens)
+    print(format_explain(rows, probe, llm.engine.model_name))
+    if a.plot:
+        print(f"wrote {plot_explain(rows, llm, probe, a.output_tokens, a.plot)}", file=sys.stderr)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows_as_dicts(rows), f, indent=2)
+    return 0

@@ -1,0 +1,204 @@
+"""Roofline cost model of one engine step, a prefill (TTFT), a generation (E2E) and memory capacity.
+
+A step's time is max(bytes / achievable bandwidth, FLOPs / achievable FLOP/s) + tensor-parallel
+all-reduces + a fixed overhead (Williams et al., "Roofline", CACM 2009). Bytes are counted as the
+engine's :class:`~kvserve.metrics.step_stats.StepStats` counts them: every weight once (routed MoE
+experts only as touched; the embedding table as the LM head, plus the rows looked up) and, per
+sequence, the K/V of all its tokens including this step's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvserve.config import ConfigError
+from kvserve.planner.hardware import Efficiency, Hardware
+from kvserve.planner.shapes import ModelShape, dtype_bytes
+
+ACTIVATION_BYTES = 2  # bf16 activations in TP all-reduces
+GPU_MEMORY_UTILIZATION = 0.9  # share of device memory for weights + KV (vLLM's default gpu_memory_utilization)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is asked: ``batch`` concurrent sequences of ``prompt_tokens`` in / ``output_tokens`` out on
+    ``tp`` GPUs. chunk_tokens: prefill chunk (max_num_batched_tokens; 0 = whole prompt in one step).
+    tokenize_ms / queue_ms / network_ms: measured inputs added to E2E (0 unless given)."""
+
+    prompt_tokens: int = 8192
+    output_tokens: int = 250
+    batch: int = 1
+    tp: int = 1
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    chunk_tokens: int = 0
+    tokenize_ms: float = 0.0
+    queue_ms: float = 0.0
+    network_ms: float = 0.0
+
+    def validate(self) -> "Workload":
+        for f in ("prompt_tokens", "output_tokens", "batch", "tp"):
+            if getattr(self, f) < (0 if f == "output_tokens" else 1):
+                raise ConfigError(f"{f} must be >= 1, got {getattr(self, f)}")
+        dtype_bytes(self.weight_dtype), dtype_bytes(self.kv_dtype)
+        return self
+
+
+@dataclass(slots=True)
+class StepCost:
+    """One step on one GPU. Bytes and FLOPs per GPU; times in seconds."""
+
+    num_tokens: int
+    context_tokens: float
+    weight_bytes: float
+    kv_bytes: float
+    flops: float
+    weight_time_s: float
+    kv_time_s: float
+    compute_time_s: float
+    comm_time_s: float
+    overhead_s: float
+
+    @property
+    def memory_time_s(self) -> float:
+        return self.weight_time_s + self.kv_time_s
+
+    @property
+    def time_s(self) -> float:
+        return max(self.memory_time_s, self.compute_time_s) + self.comm_time_s + self.overhead_s
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.memory_time_s >= self.compute_time_s else "compute"
+
+    def terms_ms(self) -> dict[str, float]:
+        return {"weights_ms": self.weight_time_s * 1e3, "kv_ms": self.kv_time_s * 1e3,
+                "compute_ms": self.compute_time_s * 1e3, "comm_ms": self.comm_time_s * 1e3,
+                "overhead_ms": self.overhead_s * 1e3}
+
+    @property
+    def dominant(self) -> str:
+        """The largest of the terms that add up (memory terms only when memory-bound)."""
+        t = self.terms_ms()
+        if self.bound == "memory":
+            t.pop("compute_ms")
+        else:
+            t.pop("weights_ms"), t.pop("kv_ms")
+        return max(t, key=t.get).removesuffix("_ms")
+
+
+def kv_shard_fraction(shape: ModelShape, tp: int) -> float:
+    """Share of a sequence's KV one of ``tp`` GPUs holds: KV heads split across ranks (replicated
+    when num_kv_heads < tp); an MLA latent has no heads to split, so every rank holds it all."""
+    if shape.attention == "mla":
+        return 1.0
+    return math.ceil(shape.num_kv_heads / tp) / shape.num_kv_heads
+
+
+def allreduce_time_s(num_bytes: float, tp: int, hw: Hardware, eff: Efficiency) -> float:
+    """Ring all-reduce: 2(n−1) steps of latency plus 2(n−1)/n × bytes over the link
+    (Patarasuk & Yuan, J. Parallel Distrib. Comput. 2009; NCCL's "bus bandwidth" convention)."""
+    if tp <= 1:
+        return 0.0
+    steps = 2 * (tp - 1)
+    return steps * eff.allreduce_hop_latency_s + steps / tp * num_bytes / hw.interconnect_bytes_per_s
+
+
+def step_cost(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, num_tokens: int,
+              context_tokens: list[float] | float, attention_flops: float, lm_head_tokens: int) -> StepCost:
+    """Cost of one step over ``num_tokens`` tokens whose sequences end at ``context_tokens`` (one
+    value per sequence, or their sum), with ``attention_flops`` (all GPUs) and logits for
+    ``lm_head_tokens`` tokens. Megatron TP: two all-reduces per layer (Shoeybi et al. 2019, §3)."""
+    tp = w.tp
+    seq_tokens = sum(context_tokens) if isinstance(context_tokens, list) else context_tokens
+    wb = dtype_bytes(w.weight_dtype)
+    weight_bytes = (shape.params_read_per_step(num_tokens) * wb + num_tokens * shape.hidden_size * wb) / tp
+    kv_bytes = (shape.kv_tokens_read_sum(context_tokens) * shape.kv_bytes_per_token(w.kv_dtype)
+                * kv_shard_fraction(shape, tp))
+    lm_head = shape.embedding_params()
+    matmul = 2 * ((shape.matmul_params_per_token() - lm_head) * num_tokens + lm_head * lm_head_tokens)
+    flops = (matmul + attention_flops) / tp
+    bw = hw.memory_bandwidth_bytes_per_s
+    comm = 2 * shape.num_layers * allreduce_time_s(num_tokens * shape.hidden_size * ACTIVATION_BYTES, tp, hw, eff)
+    return StepCost(
+        num_tokens=num_tokens, context_tokens=seq_tokens, weight_bytes=weight_bytes, kv_bytes=kv_bytes, flops=flops,
+        weight_time_s=weight_bytes / (bw * eff.bandwidth_efficiency),
+        kv_time_s=kv_bytes / (bw * eff.kv_efficiency),
+        compute_time_s=flops / (hw.peak_flops(w.weight_dtype) * eff.flops_efficiency),
+        comm_time_s=comm, overhead_s=eff.step_overhead_s + eff.overhead_per_layer_s * shape.num_layers)
+
+
+def decode_step(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, context_tokens: float) -> StepCost:
+    """A decode step of ``w.batch`` sequences each holding ``context_tokens`` tokens after this step."""
+    attn = w.batch * shape.decode_attention_flops(int(context_tokens))
+    return step_cost(shape, hw, eff, w, w.batch, [float(context_tokens)] * w.batch, attn, w.batch)
+
+
+def prefill_steps(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload) -> list[StepCost]:
+    """One request's prompt in chunks of ``w.chunk_tokens`` (0 = one step). FLOPs: 2 × params × tokens
+    (Kaplan et al. 2020) + causal attention over each chunk's prefix; logits for the last token only."""
+    chunk = w.chunk_tokens or w.prompt_tokens
+    one = Workload(**{**w.__dict__, "batch": 1})
+    steps = []
+    for start in range(0, w.prompt_tokens, chunk):
+        n = min(chunk, w.prompt_tokens - start)
+        last = start + n == w.prompt_tokens
+        attn = shape.prefill_attention_flops(start, n)
+        steps.append(step_cost(shape, hw, eff, one, n, [float(start + n)], attn, 1 if last else 0))
+    return steps
+
+
+@dataclass(slots=True)
+class Capacity:
+    """Memory per GPU: ``fits`` when weights + KV of ``batch`` sequences at ``context_tokens`` fit in
+    GPU_MEMORY_UTILIZATION of memory; ``max_batch`` at that context; ``kv_exceeds_weights_tokens``:
+    batch × context at which the KV bytes read per step pass the weight bytes."""
+
+    memory_bytes: float
+    weight_bytes: float
+    kv_bytes: float
+    fits: bool
+    max_batch: int
+    kv_exceeds_weights_tokens: float
+
+
+def capacity(shape: ModelShape, hw: Hardware, w: Workload) -> Capacity:
+    context = w.prompt_tokens + w.output_tokens
+    weights = shape.num_params() * dtype_bytes(w.weight_dtype) / w.tp
+    per_seq = shape.kv_bytes_stored(context, w.kv_dtype) * kv_shard_fraction(shape, w.tp)
+    budget = hw.memory_bytes * GPU_MEMORY_UTILIZATION
+    max_batch = max(0, int((budget - weights) // per_seq)) if per_seq else 0
+    read_weights = shape.params_read_per_step(w.batch) * dtype_bytes(w.weight_dtype)
+    return Capacity(budget, weights, w.batch * per_seq, weights + w.batch * per_seq <= budget, max_batch,
+                    read_weights / shape.kv_bytes_per_token(w.kv_dtype))
+
+
+@dataclass(slots=True)
+class Plan:
+    """Predicted TTFT, mean ITL and E2E (ms) with the steps behind them."""
+
+    ttft_ms: float
+    itl_ms: float
+    e2e_ms: float
+    prefill: list[StepCost]
+    decode_first: StepCost
+    decode_mean: StepCost
+    decode_last: StepCost
+    capacity: Capacity
+    efficiency: Efficiency
+    extras: dict = field(default_factory=dict)
+
+
+def plan(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload) -> Plan:
+    """TTFT = tokenize + queue + Σ prefill steps; ITL = the decode step at the mean context
+    (KV bytes grow linearly, so this is the mean ITL); E2E = TTFT + (N − 1) × ITL + network."""
+    w.validate()
+    pre = prefill_steps(shape, hw, eff, w)
+    ttft = w.tokenize_ms + w.queue_ms + sum(s.time_s for s in pre) * 1e3
+    n = w.output_tokens
+    first = decode_step(shape, hw, eff, w, w.prompt_tokens + 1)
+    last = decode_step(shape, hw, eff, w, w.prompt_tokens + max(n - 1, 1))
+    mean = decode_step(shape, hw, eff, w, w.prompt_tokens + max(n, 2) / 2)
+    itl = mean.time_s * 1e3
+    e2e = ttft + max(n - 1, 0) * itl + w.network_ms
+    return Plan(ttft, itl, e2e, pre, first, mean, last, capacity(shape, hw, w), eff)

@@ -1,0 +1,181 @@
+"""``kvserve probe``: measure this machine's achievable rates for the planner's ``local`` hardware —
+weight-streaming bandwidth (GEMVs over matrices far larger than the last-level cache), matmul FLOP/s,
+the engine's KV-read bandwidth (its own paged decode attention) and the engine's fixed per-step
+overhead (its own step loop on a model of negligible width) — and save them as JSON for reuse.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvserve.config import ConfigError
+from kvserve.planner.hardware import Efficiency, Hardware
+
+
+def probe_path() -> str:
+    """``$KVSERVE_CACHE_DIR/probe.json`` or ``~/.cache/kvserve/probe.json``."""
+    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvserve")
+    return os.path.join(root, "probe.json")
+
+
+@dataclass
+class ProbeResult:
+    """Measured rates (best of several repeats). Per compute dtype name ("float32", "bfloat16"):
+    gemv_bytes_per_s (weights streamed by y = W x), matmul_flops (square GEMM), kv_read_bytes_per_s
+    (K+V bytes the engine's decode attention reads per second, marginal over context). Engine overhead:
+    step_overhead_s (constant per step) and overhead_per_layer_s, from its step loop on a narrow model."""
+
+    num_threads: int
+    memory_bytes: float
+    gemv_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    matmul_flops: dict[str, float] = field(default_factory=dict)
+    kv_read_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    step_overhead_s: float = 0.0
+    overhead_per_layer_s: float = 0.0
+    dtype: str = "float32"
+
+    def hardware(self) -> Hardware:
+        """This machine as a Hardware row: peaks *are* the measured rates (efficiency 1 for weights)."""
+        d = self.dtype
+        return Hardware("local", "local", self.memory_bytes, self.gemv_bytes_per_s[d], self.matmul_flops[d],
+                        0.0, 1e12, f"kvserve probe ({self.num_threads} threads, {d})")
+
+    def efficiency(self) -> Efficiency:
+        """Weights at the measured GEMV rate; KV at the measured attention rate; measured overheads."""
+        d = self.dtype
+        return Efficiency(bandwidth_efficiency=1.0, kv_bandwidth_efficiency=self.kv_read_bytes_per_s[d] / self.gemv_bytes_per_s[d],
+                          flops_efficiency=1.0, step_overhead_s=self.step_overhead_s,
+                          overhead_per_layer_s=self.overhead_per_layer_s, calibrated_on=f"kvserve probe ({d})")
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_gemv(dtype: torch.dtype, total_bytes: int = 512 << 20, rows: int = 2048, repeats: int = 5) -> float:
+    """Bytes/s of y = W x over square [rows, rows] matrices totalling ``total_bytes`` (≫ L3 cache),
+    one after another as a model's layers are read."""
+    n = max(2, total_bytes // (rows * rows * torch.empty((), dtype=dtype).element_size()))
+    mats = [torch.randn(rows, rows).to(dtype) for _ in range(n)]
+    x = torch.randn(1, rows).to(dtype)
+
+    def run():
+        for w in mats:
+            torch.nn.functional.linear(x, w)
+
+    return sum(w.numel() * w.element_size() for w in mats) / _best_time(run, repeats)
+
+
+def measure_matmul(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
+    """FLOP/s of an [n, n] × [n, n] GEMM: 2n³ FLOPs."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n ** 3 / _best_time(lambda: a @ b, repeats)
+
+
+def measure_kv_read(dtype: torch.dtype, num_layers: int = 30, num_kv_heads: int = 3, head_dim: int = 64,
+                    num_heads: int = 9, contexts: tuple[int, int] = (256, 4096), repeats: int = 5) -> float:
+    """Marginal K+V bytes/s of the engine's paged decode attention for one sequence, over
+    ``num_layers`` separate caches (so they do not all fit in L3), between two context lengths.
+    Default shape: the bundled SmolLM2's heads (9 query / 3 KV × 64)."""
+    from kvserve.attention.metadata import AttentionMetadata
+    from kvserve.attention.paged import paged_attention
+
+    bs = 16
+    nb = contexts[1] // bs
+    caches = [(torch.randn(nb, bs, num_kv_heads, head_dim).to(dtype), torch.randn(nb, bs, num_kv_heads, head_dim).to(dtype))
+              for _ in range(num_layers)]
+    q = torch.randn(1, num_heads, head_dim).to(dtype)
+    kv = torch.randn(1, num_kv_heads, head_dim).to(dtype)
+    times = []
+    for ctx in contexts:
+        meta = AttentionMetadata.build([list(range(nb))], [ctx - 1], [1], bs)
+
+        def run():
+            for kc, vc in caches:
+                paged_attention(q, kv, kv, kc, vc, meta, head_dim ** -0.5)
+
+        times.append(_best_time(run, repeats))
+    per_token = 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return (contexts[1] - contexts[0]) * per_token / max(times[1] - times[0], 1e-9)
+
+
+def measure_engine_overhead(dtype: str, layer_counts: tuple[int, int] = (2, 30), steps: int = 24) -> tuple[float, float]:
+    """(constant s per step, s per layer) of the engine's decode step on models of width 64 (bytes and
+    FLOPs negligible), from the median ITL at two layer counts."""
+    from kvserve.llm import LLM
+    from kvserve.models.catalog import DUMMY_PRESETS
+    from kvserve.sampling_params import SamplingParams
+
+    itl = []
+    for n in layer_counts:
+        cfg = DUMMY_PRESETS["tiny-llama"].replace(num_layers=n, name=f"overhead-probe-{n}")
+        llm = LLM("tiny-llama", load_format="dummy", dtype=dtype, dummy_config=cfg, progress=False,
+                  kv_cache_memory="64MiB", max_model_len=512)
+        sp = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+        llm.generate([[100] * 16], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        runs = [llm.generate([[100 + i] * 32], sp)[0].outputs[0].latency for i in range(3)]
+        itl.append(min(r.percentile_itl_ms(50) for r in runs) / 1e3)
+    per_layer = max(0.0, (itl[1] - itl[0]) / (layer_counts[1] - layer_counts[0]))
+    return max(0.0, itl[0] - per_layer * layer_counts[0]), per_layer
+
+
+def run_probe(dtypes: tuple[str, ...] = ("float32", "bfloat16"), dtype: str = "float32",
+              engine_overhead: bool = True) -> ProbeResult:
+    """Measure everything above for each compute dtype; ``dtype`` is the one ``local`` plans with."""
+    res = ProbeResult(torch.get_num_threads(), _total_memory_bytes(), dtype=dtype)
+    for name in dtypes:
+        td = getattr(torch, name)
+        res.gemv_bytes_per_s[name] = measure_gemv(td)
+        res.matmul_flops[name] = measure_matmul(td)
+        res.kv_read_bytes_per_s[name] = measure_kv_read(td)
+    if engine_overhead:
+        res.step_overhead_s, res.overhead_per_layer_s = measure_engine_overhead(dtype)
+    return res
+
+
+def _total_memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        return 0.0
+
+
+def save_probe(res: ProbeResult, path: str | None = None) -> str:
+    path = path or probe_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(asdict(res), f, indent=2)
+    os.replace(tmp, path)
+    return path
+
+
+def load_probe(path: str | None = None) -> ProbeResult:
+    """The saved probe; ConfigError telling the user to run ``kvserve probe`` when there is none."""
+    path = path or probe_path()
+    if not os.path.isfile(path):
+        raise ConfigError(f"no probe of this machine at {path}; run `kvserve probe` first")
+    with open(path) as f:
+        return ProbeResult(**json.load(f))
+
+
+def format_probe(res: ProbeResult) -> str:
+    lines = [f"kvserve probe — {res.num_threads} threads, {res.memory_bytes / 2**30:.1f} GiB memory"]
+    for d in res.gemv_bytes_per_s:
+        lines.append(f"  {d:>9}: weights (GEMV) {res.gemv_bytes_per_s[d] / 1e9:6.1f} GB/s   "
+                     f"KV (decode attention) {res.kv_read_bytes_per_s[d] / 1e9:6.1f} GB/s   "
+                     f"matmul {res.matmul_flops[d] / 1e9:7.1f} GFLOP/s")
+    lines.append(f"  engine overhead: {res.step_overhead_s * 1e3:.2f} ms per step + "
+                 f"{res.overhead_per_layer_s * 1e3:.3f} ms per layer (measured on width-64 models)")
+    return "\n".join(lines)
+

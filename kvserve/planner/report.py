@@ -1,0 +1,120 @@
+"""Text, JSON and plot forms of a :class:`~kvserve.planner.cost.Plan`, and sweeps over context or batch."""
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+
+from kvserve.planner.cost import Plan, StepCost, Workload, plan
+from kvserve.planner.hardware import Efficiency, Hardware
+from kvserve.planner.shapes import ModelShape
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.2f} GB"
+
+
+def plan_dict(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> dict:
+    """The figures as one JSON-able object: ttft_ms, itl_ms, e2e_ms, the decode terms, fits, ..."""
+    d = p.decode_mean
+    return {
+        "model": shape.name, "hardware": hw.name, "workload": asdict(w),
+        "ttft_ms": p.ttft_ms, "itl_ms": p.itl_ms, "e2e_ms": p.e2e_ms,
+        "itl_first_ms": p.decode_first.time_s * 1e3, "itl_last_ms": p.decode_last.time_s * 1e3,
+        "terms": {**d.terms_ms(), "weight_bytes": d.weight_bytes, "kv_bytes": d.kv_bytes, "flops": d.flops},
+        "bound": d.bound, "dominant": d.dominant,
+        "prefill": {"num_steps": len(p.prefill), "flops": sum(s.flops for s in p.prefill),
+                    "bound": p.prefill[-1].bound if p.prefill else None},
+        "kv_bytes_per_token": shape.kv_bytes_per_token(w.kv_dtype),
+        "fits": p.capacity.fits, "capacity": asdict(p.capacity),
+        "efficiency": asdict(p.efficiency),
+    }
+
+
+def _provenance(e: Efficiency) -> str:
+    if e.calibrated_on.startswith(("borrowed", "kvserve probe", "uncalibrated")):
+        return f" ({e.calibrated_on})"
+    return f" (fitted to {e.calibrated_on.count(',') + 1} public measurements)"
+
+
+def _term_rows(d: StepCost) -> list[str]:
+    t = d.terms_ms()
+    total = d.time_s * 1e3
+    rows = [f"    weights read   {_gb(d.weight_bytes):>12}  {t['weights_ms']:9.2f} ms",
+            f"    KV read        {_gb(d.kv_bytes):>12}  {t['kv_ms']:9.2f} ms",
+            f"    FLOPs          {d.flops / 1e12:>9.2f} TF  {t['compute_ms']:9.2f} ms"
+            f"   ({'hidden under memory' if d.bound == 'memory' else 'the bound'})",
+            f"    all-reduce                   {t['comm_ms']:9.2f} ms",
+            f"    fixed overhead               {t['overhead_ms']:9.2f} ms",
+            f"    = step                       {total:9.2f} ms   {d.bound}-bound; largest term: {d.dominant}"]
+    return rows
+
+
+def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
+    c = p.capacity
+    e = p.efficiency
+    pre_flops = sum(s.flops for s in p.prefill)
+    lines = [
+        f"kvserve plan — {shape.name} on {w.tp}× {hw.name}: weights {w.weight_dtype}, KV {w.kv_dtype}, "
+        f"batch {w.batch}, {w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens",
+        f"  TTFT {p.ttft_ms:10.1f} ms   ({len(p.prefill)} prefill step(s), {pre_flops / 1e12:.1f} TFLOP per GPU, "
+        f"{p.prefill[-1].bound}-bound)",
+        f"  ITL  {p.itl_ms:10.2f} ms   (mean; {p.decode_first.time_s * 1e3:.2f} at the first token, "
+        f"{p.decode_last.time_s * 1e3:.2f} at the last)",
+        f"  E2E  {p.e2e_ms:10.1f} ms   = TTFT + {max(w.output_tokens - 1, 0)} × ITL"
+        + (f" + {w.network_ms:g} ms network" if w.network_ms else ""),
+        f"  decode step at mean context {p.decode_mean.context_tokens / w.batch:,.0f} tokens, per GPU:",
+        *_term_rows(p.decode_mean),
+        f"  memory per GPU: weights {_gb(c.weight_bytes)} + KV {_gb(c.kv_bytes)} of {_gb(c.memory_bytes)} usable → "
+        f"{'fits' if c.fits else 'DOES NOT FIT'}; largest batch at this context: {c.max_batch}",
+        f"  KV bytes per token {shape.kv_bytes_per_token(w.kv_dtype):,.0f} B; KV read passes weight read at "
+        f"batch × context = {c.kv_exceeds_weights_tokens:,.0f} tokens",
+        f"  efficiency of class {hw.hardware_class}{_provenance(e)}: bandwidth {e.bandwidth_efficiency:.2f}, FLOP/s "
+        f"{e.flops_efficiency:.2f}, overhead {e.step_overhead_s * 1e3:.2f} ms/step, "
+        f"all-reduce hop {e.allreduce_hop_latency_s * 1e6:.1f} µs",
+    ]
+    return "\n".join(lines)
+
+
+SWEEP_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+SWEEP_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def sweep(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, axis: str) -> list[tuple[int, Plan]]:
+    """Plans over prompt length (axis "context") or batch (axis "batch")."""
+    if axis == "context":
+        return [(x, plan(shape, hw, eff, replace(w, prompt_tokens=x))) for x in SWEEP_CONTEXTS]
+    return [(x, plan(shape, hw, eff, replace(w, batch=x))) for x in SWEEP_BATCHES]
+
+
+def format_sweep(rows: list[tuple[int, Plan]], axis: str) -> str:
+    lines = [f"{axis:>8} {'TTFT ms':>10} {'ITL ms':>8} {'weights':>8} {'KV':>8} {'compute':>8} {'comm':>6} "
+             f"{'overhead':>8} {'tok/s':>9} {'bound':>8} {'fits':>5}"]
+    for x, p in rows:
+        t = p.decode_mean.terms_ms()
+        batch = p.decode_mean.num_tokens
+        lines.append(f"{x:>8} {p.ttft_ms:>10.1f} {p.itl_ms:>8.2f} {t['weights_ms']:>8.2f} {t['kv_ms']:>8.2f} "
+                     f"{t['compute_ms']:>8.2f} {t['comm_ms']:>6.2f} {t['overhead_ms']:>8.2f} "
+                     f"{batch * 1e3 / p.itl_ms:>9.1f} {p.decode_mean.bound:>8} {'yes' if p.capacity.fits else 'no':>5}")
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: list[tuple[int, Plan]], axis: str, title: str, path: str) -> str:
+    """ITL and its stacked terms vs ``axis`` (log x), written as a PNG to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [x for x, _ in rows]
+    terms = {k: [p.decode_mean.terms_ms()[k] for _, p in rows] for k in ("weights_ms", "kv_ms", "comm_ms", "overhead_ms")}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.stackplot(xs, *terms.values(), labels=[k.removesuffix("_ms") for k in terms], alpha=0.6)
+    ax.plot(xs, [p.itl_ms for _, p in rows], "k.-", label="ITL (max(memory, compute) + comm + overhead)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens" if axis == "context" else "batch (concurrent sequences)")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
