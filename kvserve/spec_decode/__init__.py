@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (n-gram prompt lookup, draft model) and lossless verification."""

@@ -1,0 +1,80 @@
+"""Decides which sequences speculate each step and asks the proposer for their proposals.
+
+A sequence speculates when it is decoding (one known token to compute), its request allows it
+(``SamplingParams.speculative``), and nothing it asked for depends on the position in a way the
+verifier does not model: no repetition/presence/frequency penalties, no logprobs, no pending
+``min_tokens``. It stops speculating after poor acceptance (``SpecDecodeConfig.min_acceptance_rate``).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvserve.config import ConfigError, SpecDecodeConfig
+from kvserve.request import Request, RequestStatus
+from kvserve.spec_decode.ngram import NgramProposer
+
+
+class Speculator:
+    def __init__(self, config: SpecDecodeConfig, proposer):
+        self.config = config
+        self.proposer = proposer
+
+    def propose(self, running: list[Request], max_model_len: int) -> None:
+        """Set ``spec_token_ids`` on every eligible running sequence (k or fewer proposals)."""
+        reqs, ks = [], []
+        for req in running:
+            self._update_disabled(req)
+            k = self._budget(req, max_model_len)
+            if k > 0:
+                reqs.append(req)
+                ks.append(k)
+        if not reqs:
+            return
+        if isinstance(self.proposer, NgramProposer):
+            proposals = [self.proposer.propose(r.all_token_ids, k) for r, k in zip(reqs, ks)]
+        else:
+            proposals = self.proposer.propose(reqs, ks)
+        for req, p in zip(reqs, proposals):
+            req.spec_token_ids = list(p)
+
+    def _budget(self, req: Request, max_model_len: int) -> int:
+        p = req.sampling_params
+        if (req.status != RequestStatus.RUNNING or req.spec_stats.disabled or not p.speculative
+                or req.num_computed_tokens != req.num_tokens - 1 or p.logprobs is not None
+                or p.prompt_logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty
+                or p.frequency_penalty or req.num_output_tokens < p.min_tokens):
+            return 0
+        room = min(req.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens) - 1
+        return max(0, min(self.config.num_speculative_tokens, room))
+
+    def _update_disabled(self, req: Request) -> None:
+        s = req.spec_stats
+        if s.num_drafts >= self.config.min_drafts and s.acceptance_rate < self.config.min_acceptance_rate:
+            s.disabled = True
+
+    def free(self, request_id: str) -> None:
+        if not isinstance(self.proposer, NgramProposer):
+            self.proposer.free(request_id)
+
+
+def build_speculator(config: SpecDecodeConfig, target_vocab_size: int, dtype: torch.dtype, seed: int):
+    """None when speculation is off; ConfigError when the draft's vocabulary differs from the target's."""
+    if config.method is None:
+        return None
+    if config.method == "ngram":
+        return Speculator(config, NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                                config.prompt_lookup_max))
+    from kvserve.kv_cache.spec import KVCacheSpec
+    from kvserve.models.catalog import resolve_model
+    from kvserve.models.loader import load_checkpoint
+    from kvserve.models.registry import build_model
+    from kvserve.spec_decode.draft import DraftModelProposer
+
+    ckpt = load_checkpoint(resolve_model(config.draft_model, config.draft_load_format), seed=seed, progress=False)
+    if ckpt.config.vocab_size != target_vocab_size:
+        raise ConfigError(f"draft_model vocabulary ({ckpt.config.vocab_size}) differs from the target's "
+                          f"({target_vocab_size}); they must share a tokenizer")
+    model = build_model(ckpt.config, dtype, ckpt.weights, seed=seed)
+    kv_spec = KVCacheSpec.from_model(ckpt.config, dtype, 16)
+    num_blocks = max(16, config.draft_kv_cache_memory_bytes // kv_spec.bytes_per_block)
+    return Speculator(config, DraftModelProposer(model, kv_spec, num_blocks, config.num_speculative_tokens))
