@@ -1,4 +1,4 @@
-"""Command line: ``kvserve generate | chat | bench``.
+"""Command line: ``kvserve generate | chat | bench | plan | explain | probe``.
 
 ``generate`` streams an answer and then prints its latency anatomy; ``chat`` is an interactive
 session; ``bench latency`` measures batch-1 TTFT/ITL at several contexts and throughput under
@@ -22,6 +22,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None, help="KV cache budget in bytes, e.g. 512MiB (default 1GiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache budget in blocks instead")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"],
+                   help="KV cache storage; fp8/int8 keep 1 byte per value + a float32 scale per token and head")
+    g.add_argument("--speculative-method", default=None, choices=["ngram", "draft"],
+                   help="speculative decoding: n-gram prompt lookup or a draft model")
+    g.add_argument("--num-speculative-tokens", type=int, default=3, help="proposals verified per step (k)")
+    g.add_argument("--draft-model", default=None, help="draft model for --speculative-method draft")
+    g.add_argument("--draft-load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse KV blocks of equal prompt prefixes")
     g.add_argument("--max-model-len", type=int, default=0, help="context limit (default: the model's)")
@@ -62,7 +70,9 @@ def build_llm(a: argparse.Namespace, progress: bool = True):
                num_kv_blocks=a.num_kv_blocks, block_size=a.block_size, max_model_len=a.max_model_len,
                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                num_threads=a.threads, seed=a.seed_engine, progress=progress,
-               enable_prefix_caching=a.enable_prefix_caching)
+               enable_prefix_caching=a.enable_prefix_caching, kv_cache_dtype=a.kv_cache_dtype,
+               speculative_method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
+               draft_model=a.draft_model, draft_load_format=a.draft_load_format)
 
 
 def model_header(llm) -> str:
@@ -71,7 +81,8 @@ def model_header(llm) -> str:
     return (f"  model {eng.model_name}: {cfg.num_layers} layers, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads "
             f"x {cfg.head_dim}, {str(eng.dtype).removeprefix('torch.')}, weights {eng.weight_bytes_per_step / 1e6:.1f} MB "
             f"read per step\n  KV cache {str(eng.kv_spec.dtype).removeprefix('torch.')}: "
-            f"{eng.kv_spec.bytes_per_token:,} B/token, {eng.num_kv_blocks} blocks x {eng.kv_spec.block_size} tokens")
+            f"{eng.kv_spec.bytes_per_token:,} B/token{' (incl. float32 scales)' if eng.kv_spec.is_quantized else ''}, "
+            f"{eng.num_kv_blocks} blocks x {eng.kv_spec.block_size} tokens")
 
 
 # ---------------------------------------------------------------------- generate / chat
@@ -163,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from kvserve.planner.cli import add_planner_parsers
+
+    add_planner_parsers(sub)
+    from kvserve.eval.cli import add_eval_parser
+
+    add_eval_parser(sub)
     return p
 
 

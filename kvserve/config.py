@@ -113,6 +113,20 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+# --kv-cache-dtype name -> storage dtype (None: the compute dtype). The 1-byte kinds keep a float32
+# scale per token and KV head beside the values (kvserve/attention/kv_quant.py).
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+
+
+def parse_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """KV storage dtype for a ``kv_cache_dtype`` name ('auto' = ``compute_dtype``); ConfigError otherwise."""
+    if name not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be one of {'|'.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name] or compute_dtype
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache. Give the budget as ``kv_cache_memory_bytes`` or ``num_blocks`` (not both);
@@ -139,8 +153,8 @@ class CacheConfig:
             raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory_bytes}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ConfigError(f"num_kv_blocks must be > 0, got {self.num_blocks}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"kv_cache_dtype must be auto|float32|bfloat16|float16, "
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {'|'.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")
         return self
 
@@ -168,14 +182,34 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpecDecodeConfig:
-    """Speculative decoding (not yet implemented: method must be None)."""
+    """Speculative decoding: ``method`` None (off), 'ngram' (prompt lookup) or 'draft' (a smaller model,
+    ``draft_model``, sharing the target's vocabulary). ``num_speculative_tokens`` = k proposals per step.
+    A sequence stops speculating when, after ``min_drafts`` drafts, fewer than ``min_acceptance_rate``
+    of its proposals were accepted."""
 
     method: str | None = None
-    num_speculative_tokens: int = 0
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    draft_model: str | None = None
+    draft_load_format: str = "auto"
+    draft_kv_cache_memory_bytes: int = 256 << 20
+    min_acceptance_rate: float = 0.25
+    min_drafts: int = 8
 
     def validate(self) -> "SpecDecodeConfig":
-        if self.method is not None:
-            raise ConfigError("speculative decoding is not implemented yet")
+        if self.method not in (None, "ngram", "draft"):
+            raise ConfigError(f"speculative_method must be ngram or draft, got {self.method!r}")
+        if self.method is None:
+            return self
+        _require_int("num_speculative_tokens", self.num_speculative_tokens)
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
+                              f"({self.prompt_lookup_max})")
+        if self.method == "draft" and not self.draft_model:
+            raise ConfigError("speculative_method 'draft' needs draft_model (a model name or path)")
         return self
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from typing import Iterable, Iterator, Sequence
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes, SpecDecodeConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.metrics.timeline import RequestTimeline, now
 from kvserve.outputs import RequestOutput
@@ -23,22 +23,29 @@ class LLM:
 
     ``model``: a catalog name (default ``smollm2-135m``), a ``.gguf`` file, a HF directory, or a
     dummy preset (``load_format="dummy"``). ``kv_cache_memory``: bytes or a size like ``"512MiB"``;
-    ``num_kv_blocks`` instead gives the pool in blocks. Raises ConfigError for bad settings.
+    ``num_kv_blocks`` instead gives the pool in blocks. ``kv_cache_dtype``: auto|float32|bfloat16|fp8_e4m3|
+    fp8_e5m2|int8 (the 1-byte kinds keep a float32 scale per token and KV head). Raises ConfigError for bad settings.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "float32", load_format: str = "auto",
                  seed: int = 0, block_size: int = 16, kv_cache_memory: int | str | None = None,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int = 0, dummy_config=None, num_threads: int = 0, progress: bool = True,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
+                 speculative_method: str | None = None, num_speculative_tokens: int = 3,
+                 draft_model: str | None = None, draft_load_format: str = "auto",
+                 prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
         mem = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
         config = EngineConfig(
             model=model, dtype=dtype, load_format=load_format, seed=seed, dummy_config=dummy_config,
             num_threads=num_threads,
             cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=mem, num_blocks=num_kv_blocks,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len))
+                                      max_model_len=max_model_len),
+            spec_decode=SpecDecodeConfig(method=speculative_method, num_speculative_tokens=num_speculative_tokens,
+                                         draft_model=draft_model, draft_load_format=draft_load_format,
+                                         prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max))
         self.engine = LLMEngine(config, progress=progress)
         self._ids = itertools.count()
         self._inbox: dict[str, list[RequestOutput]] = {}  # request_id → outputs its caller has not taken

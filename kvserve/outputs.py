@@ -39,6 +39,9 @@ class LatencyBreakdown:
     num_prompt_tokens: int
     num_output_tokens: int
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed for this sequence
+    num_accepted_tokens: int = 0  # ... and accepted by verification
+    num_drafts: int = 0  # verification steps that carried proposals
 
     def percentile_itl_ms(self, q: float) -> float:
         from kvserve.metrics.stats import percentile
@@ -55,7 +58,9 @@ class LatencyBreakdown:
                 "mean_itl_ms": self.mean_itl_ms, "p50_itl_ms": self.percentile_itl_ms(50),
                 "p90_itl_ms": self.percentile_itl_ms(90), "tpot_ms": self.tpot_ms, "e2e_ms": self.e2e_ms,
                 "detokenize_ms": self.detokenize_ms, "num_prompt_tokens": self.num_prompt_tokens,
-                "num_output_tokens": self.num_output_tokens, "num_preemptions": self.num_preemptions}
+                "num_output_tokens": self.num_output_tokens, "num_preemptions": self.num_preemptions,
+                "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens}
 
 
 @dataclass(slots=True)

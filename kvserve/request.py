@@ -6,6 +6,7 @@ The scheduler moves a :class:`Request` between states; the KV cache manager hold
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +41,36 @@ _FINISH_OF_STATUS = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
                      RequestStatus.FINISHED_ABORTED: FinishReason.ABORT}
 
 
+@dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding counters of one sequence: drafts verified, tokens proposed, tokens
+    accepted, and accepted counts per draft position (position 0 = the first proposal)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    disabled: bool = False  # turned off for this sequence after poor acceptance
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        while len(self.accepted_per_position) < num_proposed:
+            self.accepted_per_position.append(0)
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step (accepted + 1), averaged over drafts."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
 class Request:
     """One sequence being generated (a choice of an ``n > 1`` request is its own Request).
 
@@ -49,7 +80,7 @@ class Request:
 
     __slots__ = ("request_id", "parent_id", "index", "prompt", "prompt_token_ids", "sampling_params",
                  "output_token_ids", "all_token_ids", "num_computed_tokens", "status", "stop_reason",
-                 "logprobs", "prompt_logprobs", "cache_salt", "num_cached_tokens", "timeline", "generator", "max_tokens", "num_preemptions", "eos_token_ids")
+                 "logprobs", "prompt_logprobs", "cache_salt", "num_cached_tokens", "spec_token_ids", "spec_stats", "timeline", "generator", "max_tokens", "num_preemptions", "eos_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  max_tokens: int, eos_token_ids: tuple[int, ...], timeline: RequestTimeline,
@@ -77,6 +108,8 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.cache_salt = cache_salt  # isolates this request's prefix-cache entries from others'
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.spec_token_ids: list[int] = []  # proposals waiting to be verified in the next step
+        self.spec_stats = SpecStats()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -57,6 +57,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    speculative: bool = True  # False: this request never uses speculative decoding
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,7 +88,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a boolean, got {getattr(self, name)!r}", name)
         if not isinstance(self.stop, list):

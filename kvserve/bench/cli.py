@@ -50,6 +50,10 @@ def add_bench_parser(sub) -> None:
     pre.add_argument("--output-tokens", type=int, default=4)
     add_engine_args(pre)
     pre.set_defaults(func=cmd_bench_prefix)
+    spec = bsub.add_parser("spec", help="batch-1 speed with and without n-gram speculation, copy-heavy and chat")
+    spec.add_argument("--output-tokens", type=_int_at_least(2), default=96)
+    add_engine_args(spec)
+    spec.set_defaults(func=cmd_bench_spec)
     _add_serve_parser(bsub)
 
 
@@ -139,4 +143,17 @@ def cmd_bench_prefix(a: argparse.Namespace) -> int:
         results[caching] = run_prefix(llm, a.num_requests, a.system_tokens, a.question_tokens, a.output_tokens)
         del llm
     print(format_prefix(results[True], results[False], a.system_tokens))
+    return 0
+
+
+def cmd_bench_spec(a: argparse.Namespace) -> int:
+    from kvserve.bench.spec import CHAT_PROMPTS, COPY_PROMPTS, format_spec, run_workload
+    from kvserve.cli import build_llm
+
+    if a.speculative_method is None:
+        a.speculative_method = "ngram"
+    llm = build_llm(a)
+    rows = [run_workload(llm, "copy", COPY_PROMPTS, a.output_tokens, a.num_speculative_tokens),
+            run_workload(llm, "chat", CHAT_PROMPTS, a.output_tokens, a.num_speculative_tokens)]
+    print(format_spec(rows, a.num_speculative_tokens))
     return 0

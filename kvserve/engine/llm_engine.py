@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvserve.config import ConfigError, EngineConfig, ModelConfig
+from kvserve.config import ConfigError, EngineConfig, ModelConfig, parse_kv_cache_dtype
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
@@ -26,6 +26,7 @@ from kvserve.models.registry import build_model
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import InvalidRequestError, SamplingParams
+from kvserve.spec_decode.speculator import build_speculator
 
 
 class PromptTooLongError(InvalidRequestError):
@@ -64,13 +65,14 @@ class LLMEngine:
         self.dtype = config.torch_dtype
         self.model = build_model(ckpt.config, self.dtype, ckpt.weights, seed=config.seed)
         self.max_model_len = self._resolve_max_model_len()
-        kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else getattr(torch, config.cache.kv_cache_dtype)
+        kv_dtype = parse_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.kv_spec = KVCacheSpec.from_model(ckpt.config, kv_dtype, config.cache.block_size)
         num_blocks = self._resolve_num_blocks()
         self.kv_spec.check_fits(num_blocks, self.max_model_len)
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_spec, num_blocks)
+        self.speculator = build_speculator(config.spec_decode, ckpt.config.vocab_size, self.dtype, config.seed)
         self.weight_bytes_per_step, self._embedding_row_bytes = weight_bytes_of(self.model)
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
         self._parents: dict[str, _Parent] = {}
@@ -182,6 +184,8 @@ class LLMEngine:
             if not req.is_finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
                 req.timeline.finished = t
+            if self.speculator is not None:
+                self.speculator.free(req.request_id)
         return self._make_output(parent)
 
     def unfinished_request_ids(self) -> list[str]:
@@ -203,6 +207,8 @@ class LLMEngine:
         """One schedule → execute → update round. Returns an output for every request that got new
         tokens or finished in this step."""
         outputs, self._pending = self._pending, []
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.max_model_len)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
@@ -212,20 +218,26 @@ class LLMEngine:
         self._record_step(sched, t0, wall)
         updated = self.scheduler.update(sched, result)
         touched: dict[str, _Parent] = {}
-        for req in updated:
+        for req, num_new in updated:
             parent = self._parents[req.parent_id]
-            self._detokenize(parent, req)
+            self._detokenize(parent, req, num_new)
             touched[parent.request_id] = parent
+            if req.is_finished and self.speculator is not None:
+                self.speculator.free(req.request_id)
         for parent in touched.values():
             outputs.append(self._make_output(parent))
             if parent.finished:
                 del self._parents[parent.request_id]
         return outputs
 
-    def _detokenize(self, parent: _Parent, req: Request) -> None:
+    def _detokenize(self, parent: _Parent, req: Request, num_new: int) -> None:
+        """Text for the ``num_new`` tokens just appended (several after a speculative step); an EOS or
+        stop token id that ended the sequence adds no text."""
         detok = parent.detoks[req.index]
         stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
-        new_ids = [] if stopped_by_token else req.output_token_ids[-1:]
+        new_ids = req.output_token_ids[len(req.output_token_ids) - num_new:]
+        if stopped_by_token:
+            new_ids = new_ids[:-1]
         t = now()
         stop = detok.update(new_ids, req.num_output_tokens)
         t_done = now()
@@ -235,7 +247,7 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             req.status = RequestStatus.FINISHED_STOPPED  # a stop string wins over length on the same token
             req.stop_reason = stop
-        req.timeline.token_times.append(t_done)
+        req.timeline.token_times.extend([t_done] * num_new)  # tokens of one step leave together
         if req.is_finished:
             req.timeline.finished = now()
 
@@ -251,6 +263,14 @@ class LLMEngine:
             kv_bytes_per_token=self.kv_spec.bytes_per_token,
             request_ids=tuple(s.request.request_id for s in sched.scheduled)))
 
+    @staticmethod
+    def _latency(req: Request):
+        lat = req.timeline.breakdown(req.num_prompt_tokens, req.num_preemptions)
+        st = req.spec_stats
+        lat.num_drafts, lat.num_draft_tokens, lat.num_accepted_tokens = (st.num_drafts, st.num_draft_tokens,
+                                                                        st.num_accepted_tokens)
+        return lat
+
     def _make_output(self, parent: _Parent) -> RequestOutput:
         outs = []
         for i, (req, detok) in enumerate(zip(parent.children, parent.detoks)):
@@ -262,7 +282,7 @@ class LLMEngine:
                 finish_reason=req.finish_reason.value if finished else None, stop_reason=req.stop_reason,
                 logprobs=list(req.logprobs) if req.logprobs is not None else None,
                 delta_text=detok.take_delta(finished), delta_token_ids=req.output_token_ids[sent:],
-                latency=req.timeline.breakdown(req.num_prompt_tokens, req.num_preemptions) if finished else None))
+                latency=self._latency(req) if finished else None))
         first = parent.children[0]
         prompt_lps = list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outs,

@@ -1,6 +1,7 @@
 """Turns a SchedulerOutput into batch tensors, runs the model, samples.
 
-Owns the KV cache tensors: per layer a pair ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Owns the KV cache tensors: per layer a pair ``[num_blocks, block_size, num_kv_heads, head_dim]``
+(for int8/fp8 a pair of ``QuantizedKVCache``: 1-byte codes of that shape plus scales).
 Builds ``input_ids``, ``positions``, ``slot_mapping``, ``block_tables``, ``seq_lens`` and
 ``query_start_loc``; computes logits only for sequences that sample this step. Decides nothing
 about who runs.
@@ -10,8 +11,10 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention import AttentionMetadata
+from kvserve.attention.kv_quant import QuantizedKVCache, kind_of_dtype
 from kvserve.engine.sampler import Sampler, SamplingRow, token_logprobs
 from kvserve.engine.scheduler import RunnerOutput, SchedulerOutput
+from kvserve.spec_decode.verify import verify
 from kvserve.kv_cache.spec import KVCacheSpec
 
 
@@ -22,11 +25,17 @@ class ModelRunner:
         self.kv_spec = kv_spec
         self.device = torch.device(device)
         self.num_blocks = num_blocks
-        shape = (num_blocks, kv_spec.block_size, kv_spec.num_kv_heads, kv_spec.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=kv_spec.dtype, device=self.device),
-                           torch.zeros(shape, dtype=kv_spec.dtype, device=self.device))
-                          for _ in range(kv_spec.num_layers)]
+        self.kv_caches = [(self._alloc_cache(), self._alloc_cache()) for _ in range(kv_spec.num_layers)]
         self.sampler = Sampler()
+
+    def _alloc_cache(self):
+        """One layer's K or V cache: a float tensor, or QuantizedKVCache (1-byte codes + scales)."""
+        spec = self.kv_spec
+        shape = (self.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        kind = kind_of_dtype(spec.dtype)
+        if kind is not None:
+            return QuantizedKVCache.zeros(kind, *shape, device=self.device)
+        return torch.zeros(shape, dtype=spec.dtype, device=self.device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -36,7 +45,8 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
         out = RunnerOutput()
         self._prompt_logprobs(sched, hidden, meta, out)
-        sample_idx = [i for i, s in enumerate(sched.scheduled) if s.sample]
+        self._verify(sched, hidden, meta, out)
+        sample_idx = [i for i, s in enumerate(sched.scheduled) if s.sample and not s.spec_token_ids]
         if not sample_idx:
             return out
         last_token = meta.query_start_loc[1:] - 1  # [num_seqs] index of each sequence's last token
@@ -52,7 +62,7 @@ class ModelRunner:
         pos: list[int] = []
         for s in sched.scheduled:
             start, n = s.num_computed_tokens, s.num_scheduled_tokens
-            ids.extend(s.request.all_token_ids[start:start + n])
+            ids.extend(s.token_ids())
             pos.extend(range(start, start + n))
         meta = AttentionMetadata.build(
             [s.block_table for s in sched.scheduled], [s.num_computed_tokens for s in sched.scheduled],
@@ -74,6 +84,17 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[first:first + end - start])  # [end - start, vocab]
             targets = req.prompt_token_ids[start + 1:end + 1]
             out.prompt_logprobs[req.request_id] = (start, token_logprobs(logits, targets, [k] * len(targets)))
+
+    def _verify(self, sched: SchedulerOutput, hidden: torch.Tensor, meta, out: RunnerOutput) -> None:
+        """Speculative sequences: target logits at their last k + 1 positions decide the tokens."""
+        for i, s in enumerate(sched.scheduled):
+            if not s.sample or not s.spec_token_ids:
+                continue
+            end = int(meta.query_start_loc[i + 1])
+            k = len(s.spec_token_ids)
+            logits = self.model.compute_logits(hidden[end - k - 1:end])  # [k + 1, vocab]
+            req = s.request
+            out.spec_tokens[req.request_id] = verify(logits, s.spec_token_ids, req.sampling_params, req.generator)
 
     @staticmethod
     def _row(req) -> SamplingRow:

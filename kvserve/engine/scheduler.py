@@ -16,7 +16,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.metrics.timeline import now
 from kvserve.outputs import TokenLogprobs
-from kvserve.request import Request, RequestStatus
+from kvserve.request import Request, RequestStatus, SpecStats
 
 
 @dataclass(slots=True)
@@ -29,6 +29,13 @@ class ScheduledRequest:
     num_scheduled_tokens: int
     block_table: list[int]
     sample: bool
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify (last tokens of the chunk)
+
+    def token_ids(self) -> list[int]:
+        """The chunk's input tokens: known tokens from num_computed_tokens, then any proposals."""
+        start, n = self.num_computed_tokens, self.num_scheduled_tokens
+        known = self.request.all_token_ids[start:start + n]
+        return known + self.spec_token_ids[:n - len(known)]
 
 
 @dataclass(slots=True)
@@ -50,6 +57,8 @@ class RunnerOutput:
     """Sampled token (and logprobs) per request id that had ``sample=True``."""
 
     sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+    # speculative requests: verified tokens (accepted proposals + one corrected/bonus token)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # request id -> (first position, logprobs of the prompt tokens that follow positions first, first+1, ...)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
@@ -63,6 +72,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.spec_stats = SpecStats()  # totals over all sequences
 
     # ------------------------------------------------------------------ queue
     def add_request(self, request: Request) -> None:
@@ -94,7 +104,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
             if n <= 0:  # nothing to compute (cannot happen while running; kept as a guard)
                 i += 1
                 continue
@@ -143,12 +153,16 @@ class Scheduler:
         return any(r.parent_id == req.parent_id and r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
 
     def _entry(self, req: Request, n: int) -> ScheduledRequest:
+        missing = req.num_tokens - req.num_computed_tokens
+        spec = req.spec_token_ids[:max(0, n - missing)]  # proposals that fit in the budget
+        req.spec_token_ids = []
         return ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_table(req.request_id),
-                                sample=req.num_computed_tokens + n == req.num_tokens)
+                                sample=req.num_computed_tokens + n >= req.num_tokens, spec_token_ids=spec)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -157,25 +171,46 @@ class Scheduler:
         out.scheduled[:] = [s for s in out.scheduled if s.request is not req]
 
     # ------------------------------------------------------------------ update
-    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish requests that hit EOS, a stop
-        token id, ``max_tokens`` or ``max_model_len``. Returns the requests that got a new token."""
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, int]]:
+        """Advance computed counts, append sampled (or verified) tokens, finish requests that hit EOS,
+        a stop token id, ``max_tokens`` or ``max_model_len``. Returns (request, number of new tokens)
+        for every request that got tokens."""
         updated = []
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_scheduled_tokens
             if req.request_id in result.prompt_logprobs:
                 req.extend_prompt_logprobs(*result.prompt_logprobs[req.request_id])
-            self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_keys)
             if not s.sample or req.is_finished:
+                self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_keys)
                 continue
-            token_id, logprobs = result.sampled[req.request_id]
+            if req.request_id in result.spec_tokens:
+                tokens = result.spec_tokens[req.request_id]
+                self._record_spec(req, s, len(tokens) - 1)
+                new = [(t, None) for t in tokens]
+            else:
+                new = [result.sampled[req.request_id]]
+            n_new = self._append(req, new)
+            self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_keys)
+            updated.append((req, n_new))
+        return updated
+
+    def _append(self, req: Request, new: list[tuple[int, TokenLogprobs | None]]) -> int:
+        for i, (token_id, logprobs) in enumerate(new):
             req.append_token(token_id, logprobs)
-            updated.append(req)
             status = self._check_stop(req, token_id)
             if status is not None:
                 self.finish_request(req.request_id, status)
-        return updated
+                return i + 1
+        return len(new)
+
+    def _record_spec(self, req: Request, s: ScheduledRequest, num_accepted: int) -> None:
+        """Only the verified positions' KV is valid: rewind the computed count and release the slots
+        of rejected proposals."""
+        req.num_computed_tokens = s.num_computed_tokens + s.num_scheduled_tokens - len(s.spec_token_ids) + num_accepted
+        self.kv.trim(req.request_id, req.num_computed_tokens + 1)
+        req.spec_stats.record(len(s.spec_token_ids), num_accepted)
+        self.spec_stats.record(len(s.spec_token_ids), num_accepted)
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         p = req.sampling_params

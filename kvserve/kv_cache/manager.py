@@ -106,6 +106,15 @@ class KVCacheManager:
             if block.block_hash is None:
                 self.pool.cache_block(block, h)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the request's tail blocks beyond those ``num_tokens`` slots need (rejected proposals)."""
+        blocks = self._blocks.get(request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks and len(blocks) > keep:
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free_blocks(list(reversed(tail)))
+
     def free(self, request_id: str) -> None:
         """Return all of the request's blocks (tail first). Unknown ids are ignored."""
         self._hashes.pop(request_id, None)

@@ -51,6 +51,14 @@ class ServerMetrics:
                                     "(weight + KV bytes) / wall time of the latest step.", lbl, registry=r).labels(model_name)
         self.last_kv_bytes = Gauge(P + "step_kv_bytes_last", "KV bytes read by the latest step.", lbl, registry=r).labels(model_name)
         self.kv_bytes_per_token = Gauge(P + "kv_cache_bytes_per_token", "K+V bytes of one token over all layers.", lbl, registry=r).labels(model_name)
+        self.spec_drafts = Counter(P + "spec_decode_num_drafts", "Verification steps that carried proposals.", lbl, registry=r).labels(model_name)
+        self.spec_draft_tokens = Counter(P + "spec_decode_num_draft_tokens", "Proposed tokens.", lbl, registry=r).labels(model_name)
+        self.spec_accepted = Counter(P + "spec_decode_num_accepted_tokens", "Accepted proposed tokens.", lbl, registry=r).labels(model_name)
+        self.spec_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens by draft position.",
+                                    lbl + ["position"], registry=r)
+        self.spec_rate = Gauge(P + "spec_decode_acceptance_rate", "Accepted / proposed tokens so far.", lbl, registry=r).labels(model_name)
+        self.spec_length = Gauge(P + "spec_decode_mean_acceptance_length", "Tokens per verification step (accepted + 1).", lbl, registry=r).labels(model_name)
+        self._last_spec = (0, 0, 0, [])
         self._last_step = 0
         self._last_preemptions = 0
         self._last_prefix = (0, 0)
@@ -67,6 +75,7 @@ class ServerMetrics:
         preempt = engine.scheduler.num_preemptions
         self.preemptions.inc(preempt - self._last_preemptions)
         self._last_preemptions = preempt
+        self._observe_spec(engine.scheduler.spec_stats)
         kv = engine.kv_manager
         queried, hit = kv.num_queried_tokens, kv.num_hit_tokens
         self.prefix_queries.inc(queried - self._last_prefix[0])
@@ -87,6 +96,20 @@ class ServerMetrics:
                 self.generation_tokens.inc(len(c.delta_token_ids))
                 if c.finished:
                     self._observe_finished(c)
+
+    def _observe_spec(self, s) -> None:
+        d, t, a, per = self._last_spec
+        self.spec_drafts.inc(s.num_drafts - d)
+        self.spec_draft_tokens.inc(s.num_draft_tokens - t)
+        self.spec_accepted.inc(s.num_accepted_tokens - a)
+        for pos, n in enumerate(s.accepted_per_position):
+            prev = per[pos] if pos < len(per) else 0
+            if n > prev:
+                self.spec_per_pos.labels(self._model, str(pos)).inc(n - prev)
+        if s.num_drafts:
+            self.spec_rate.set(s.acceptance_rate)
+            self.spec_length.set(s.mean_acceptance_length)
+        self._last_spec = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_position))
 
     def _observe_finished(self, c) -> None:
         self.success.labels(self._model, c.finish_reason).inc()

@@ -40,6 +40,11 @@ def format_anatomy(lat: LatencyBreakdown, steps: list[StepStats], header: str = 
         f"  E2E          {lat.e2e_ms:9.2f} ms   = TTFT + sum(ITL) + {finishing:.2f} ms finishing",
         f"  output       {n} tokens" + (f", {1000 * (n - 1) / sum(lat.itl_ms):.1f} tokens/s decode" if n > 1 else ""),
     ]
+    if lat.num_drafts:
+        rate = lat.num_accepted_tokens / lat.num_draft_tokens if lat.num_draft_tokens else 0.0
+        lines.append(f"  speculative  {lat.num_drafts} drafts, {lat.num_accepted_tokens}/{lat.num_draft_tokens} proposed "
+                     f"tokens accepted ({100 * rate:.0f}%), {1 + lat.num_accepted_tokens / lat.num_drafts:.2f} tokens "
+                     f"per verification step (tokens of one step share a timestamp: their ITL is 0)")
     lines += _format_steps(steps, max_step_rows)
     return "\n".join(lines)
 

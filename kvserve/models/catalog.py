@@ -78,11 +78,12 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
         rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
         bos_token_id=1, eos_token_ids=(2, 0), name="smollm2-135m"),
-    # For unit tests: vocab matches SmolLM2 so the bundled tokenizer works with it.
+    # For unit tests: vocab matches SmolLM2 so the bundled tokenizer works with it. Untied: with random
+    # tied embeddings the logits favour the current token and greedy output degenerates to repeats.
     "tiny-llama": ModelConfig(
         architecture="llama", vocab_size=49152, hidden_size=64, intermediate_size=128,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
-        rms_norm_eps=1e-5, max_position_embeddings=2048, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, max_position_embeddings=2048, tie_word_embeddings=False,
         bos_token_id=1, eos_token_ids=(2, 0), name="tiny-llama"),
 }
 
