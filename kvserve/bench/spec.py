@@ -60,8 +60,10 @@ def run_workload(llm, name: str, prompts: list[str], max_tokens: int, k: int) ->
     plain_ms = mean([st.wall_s for st in steps if st.num_tokens == 1]) or 1.0
     verify_ms = mean([st.wall_s for st in steps if 1 < st.num_tokens <= k + 1]) or plain_ms
     ratio = verify_ms / plain_ms
-    # only steps that carried proposals speed up; the share of such steps scales the prediction
-    spec_steps = drafts / max(1, drafts + sum(1 for st in steps if st.num_tokens == 1) // 2)
+    # only steps that carried proposals speed up: the spec run's other decode steps made one token each
+    spec_run_tokens = sum(o.latency.num_output_tokens - 1 for o in spec)
+    plain_steps_in_spec_run = max(0, spec_run_tokens - (drafts + accepted))
+    spec_steps = drafts / max(1, drafts + plain_steps_in_spec_run)
     predicted = 1.0 / ((1 - spec_steps) + spec_steps * ratio / expected_tokens_per_step(alpha, k)) if drafts else 1.0
     return SpecRow(name, _decode_rate(plain), _decode_rate(spec), alpha, 1 + accepted / drafts if drafts else 1.0,
                    ratio, predicted)
