@@ -194,3 +194,21 @@ def test_sigterm_shuts_down_cleanly_mid_stream(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_bench_serve_against_the_real_server(tiny_server, tmp_path, capsys):
+    """The load generator end to end against kvserve itself: every request succeeds, token counts
+    come from the server's usage, and the server's own TTFT histogram saw every request."""
+    from kvserve.cli import main
+
+    n0 = _metric(tiny_server.url, "time_to_first_token_seconds_count")
+    path = tmp_path / "bench.json"
+    rc = main(["bench", "serve", "--url", tiny_server.url, "--num-prompts", "12", "--request-rate", "20",
+               "--max-concurrency", "4", "--input-tokens", "16", "--output-tokens", "6", "--prompt-format",
+               "token-ids", "--save-result", str(path)])
+    assert rc == 0
+    m = json.loads(path.read_text())["metrics"]
+    assert (m["completed"], m["failed"], m["total_input_tokens"], m["total_output_tokens"]) == (12, 0, 192, 72)
+    assert m["ttft"]["median_ms"] > 0 and m["itl"]["median_ms"] > 0
+    assert _metric(tiny_server.url, "time_to_first_token_seconds_count") == n0 + 12
+    assert _wait_idle(tiny_server)

@@ -6,7 +6,7 @@ import pytest
 from kvserve import SamplingParams
 from tests.conftest import tiny_llm
 
-G = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+G = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)  # FAILURE-KINDS 11: 128 tokens
 REPEAT = "one two three four five six seven eight nine ten " * 4  # copy-heavy: n-gram proposals often right
 PROMPTS = [REPEAT, "Hello there, how are you", "a b c a b c a b c a b", "The quick brown fox " * 3]
 
@@ -78,3 +78,19 @@ def test_sampled_with_speculation_runs_and_aborts_cleanly():
         eng.step()
     eng.abort_request(rid)
     assert eng.kv_manager.num_free_blocks == eng.num_kv_blocks
+
+
+@pytest.mark.slow
+def test_ngram_on_real_model_copy_prompt_is_identical_and_mostly_accepted(smollm2):
+    """Where proposals are often right: SmolLM2 asked to repeat a passage."""
+    from kvserve import LLM
+    from kvserve.bench.spec import COPY_PROMPTS
+
+    msgs = [[{"role": "user", "content": p}] for p in COPY_PROMPTS[:2]]
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in smollm2.chat(msgs, sp)]
+    spec = LLM(speculative_method="ngram", num_speculative_tokens=3, progress=False)
+    got = [o.outputs[0].token_ids for o in spec.chat(msgs, sp)]
+    assert got == ref
+    s = spec.engine.scheduler.spec_stats
+    assert s.num_drafts > 10 and s.acceptance_rate > 0.5
