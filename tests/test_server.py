@@ -212,3 +212,23 @@ def test_bench_serve_against_the_real_server(tiny_server, tmp_path, capsys):
     assert m["ttft"]["median_ms"] > 0 and m["itl"]["median_ms"] > 0
     assert _metric(tiny_server.url, "time_to_first_token_seconds_count") == n0 + 12
     assert _wait_idle(tiny_server)
+
+
+def test_speculative_server_and_per_request_opt_out():
+    """A server with draft-model speculation (the draft has the target's weights, so proposals are
+    right) gives the same greedy text as without, reports acceptance in /metrics, and a request with
+    speculative: false does not speculate."""
+    plain = ServerHandle(tiny_llm())
+    spec = ServerHandle(tiny_llm(speculative_method="draft", draft_model="tiny-llama", draft_load_format="dummy"))
+    try:
+        body = {"prompt": "a b c a b c a b c a b c", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        ref = httpx.post(plain.url + "/v1/completions", json=body).json()["choices"][0]["text"]
+        r = httpx.post(spec.url + "/v1/completions", json=body).json()
+        assert r["choices"][0]["text"] == ref
+        assert r["kvserve_timings"]["num_drafts"] > 0
+        assert _metric(spec.url, "spec_decode_num_drafts_total") == r["kvserve_timings"]["num_drafts"]
+        off = httpx.post(spec.url + "/v1/completions", json=dict(body, speculative=False)).json()
+        assert off["choices"][0]["text"] == ref and off["kvserve_timings"]["num_drafts"] == 0
+    finally:
+        plain.stop()
+        spec.stop()

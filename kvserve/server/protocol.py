@@ -42,13 +42,14 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
+    speculative: bool = True  # false: this request does not use the server's speculative decoding
 
     def _common(self) -> dict:
         if self.n > MAX_N:
             raise InvalidRequestError(f"n must be <= {MAX_N}, got {self.n}", "n")
         out = {"n": self.n, "seed": self.seed, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
                "include_stop_str_in_output": self.include_stop_str_in_output,
-               "skip_special_tokens": self.skip_special_tokens,
+               "skip_special_tokens": self.skip_special_tokens, "speculative": self.speculative,
                "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
                "stop_token_ids": list(self.stop_token_ids or [])}
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
