@@ -178,3 +178,12 @@ def test_bench_latency_rejects_sizes_it_cannot_measure(args, capsys):
         build_parser().parse_args(["bench", "latency", *args])
     assert e.value.code == 2
     assert args[0] in capsys.readouterr().err
+
+
+def test_weights_larger_than_memory_are_a_config_error():
+    """llama-3-70b in float32 (~280 GB) must not reach the OOM killer."""
+    from kvserve import LLM
+    from kvserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="GiB"):
+        LLM("llama-3-70b", load_format="dummy", progress=False)

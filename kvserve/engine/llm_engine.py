@@ -63,6 +63,7 @@ class LLMEngine:
         self.tokenizer = ckpt.tokenizer
         self.model_name = source.name
         self.dtype = config.torch_dtype
+        self._check_weights_fit(ckpt.config)
         self.model = build_model(ckpt.config, self.dtype, ckpt.weights, seed=config.seed)
         self.max_model_len = self._resolve_max_model_len()
         kv_dtype = parse_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
@@ -88,6 +89,15 @@ class LLMEngine:
             from kvserve.config import ConfigError
             raise ConfigError(f"max_model_len ({want}) exceeds the model's context length ({limit})")
         return want
+
+    def _check_weights_fit(self, cfg: ModelConfig) -> None:
+        """ConfigError (instead of the OOM killer) when the weights alone exceed physical memory."""
+        need = cfg.num_params() * torch.empty((), dtype=self.dtype).element_size()
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > have:
+            raise ConfigError(f"model {cfg.name}: {cfg.num_params() / 1e9:.1f}B parameters in "
+                              f"{str(self.dtype).removeprefix('torch.')} need {need / 2**30:.1f} GiB, more than this "
+                              f"machine's {have / 2**30:.1f} GiB; try --dtype bfloat16 or a smaller model")
 
     def _resolve_num_blocks(self) -> int:
         c = self.config.cache
