@@ -24,7 +24,7 @@ def test_kv_bytes_per_token_hand_computed():
     assert get_model("smollm2-135m").kv_bytes_per_token("bf16") == 2 * 30 * 3 * 64 * 2 == 23_040
     fp8 = KVCacheSpec.from_model(DUMMY_PRESETS["llama-3-70b"], torch.float8_e4m3fn, 16).bytes_per_token
     assert get_model("llama-3-70b").kv_bytes_per_token("fp8") == fp8  # the engine's, scales included
-    assert get_model("deepseek-v3").kv_bytes_per_token("fp8") == 61 * 576
+    assert get_model("deepseek-v3").kv_bytes_per_token("fp8") == 61 * (576 + 4)  # + the engine's row scale
 
 
 def test_plain_attention_uses_the_engine_spec():
@@ -274,7 +274,7 @@ def test_explain_on_smollm2_agrees_on_bytes():
     from kvserve.planner.probe import run_probe
 
     probe = run_probe(dtypes=("float32",))
-    llm = LLM("smollm2-135m", progress=False, max_model_len=1200)
+    llm = LLM("smollm2-135m", weight_dtype="float32", progress=False, max_model_len=1200)
     rows = run_explain(llm, probe, [128, 1024], 4)
     for r in rows:
         assert abs(r.planner_bytes_per_step - r.engine_bytes_per_step) / r.engine_bytes_per_step < 1e-3, r

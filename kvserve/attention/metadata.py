@@ -19,6 +19,11 @@ class AttentionMetadata:
     query_start_loc: [num_seqs + 1] int64, offsets of each sequence's query tokens
     seq_lens_list / query_lens_list: the same as Python ints (no device syncs in the layer loop)
     num_decodes:     sequences (at the front) whose query is one token
+    sliding_window:  0, or W: query position i sees only keys i - W + 1 .. i (Gemma 3 local layers);
+                     entries of blocks wholly before a sequence's window may be freed (-1): never read
+    window_block_tables / window_decode_mask: for sliding decodes, each sequence's table from the
+                     block holding its first visible key, [num_decodes, nbw], and the mask of its
+                     visible keys, [num_decodes, 1, 1, nbw * block_size] (None for one decode)
     """
 
     slot_mapping: torch.Tensor
@@ -30,6 +35,9 @@ class AttentionMetadata:
     num_decodes: int
     block_size: int
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, S] bool, True = attend; None = all
+    sliding_window: int = 0
+    window_block_tables: torch.Tensor | None = None
+    window_decode_mask: torch.Tensor | None = None
 
 
     @property
@@ -42,8 +50,9 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
-              block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
-        """From per-sequence block tables, cached-token counts and query lengths (decodes first)."""
+              block_size: int, device: torch.device | str = "cpu", sliding_window: int = 0) -> "AttentionMetadata":
+        """From per-sequence block tables, cached-token counts and query lengths (decodes first);
+        ``sliding_window`` > 0 for a group of sliding-window layers."""
         seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
         slots: list[int] = []
         for table, ctx, q in zip(block_tables, context_lens, query_lens):
@@ -60,9 +69,34 @@ class AttentionMetadata:
         as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
         meta = cls(slot_mapping=as_t(slots), block_tables=as_t(padded).view(len(padded), max_blocks),
                    seq_lens=as_t(seq_lens), query_start_loc=as_t(qsl), seq_lens_list=seq_lens,
-                   query_lens_list=list(query_lens), num_decodes=num_decodes, block_size=block_size)
-        meta.decode_mask = meta._build_decode_mask()
+                   query_lens_list=list(query_lens), num_decodes=num_decodes, block_size=block_size,
+                   sliding_window=sliding_window)
+        if sliding_window:
+            meta._build_window_decode(block_tables)
+        else:
+            meta.decode_mask = meta._build_decode_mask()
         return meta
+
+    def window_start(self, s: int) -> int:
+        """First key position sequence ``s``'s first query sees (0 without a sliding window)."""
+        ctx = self.seq_lens_list[s] - self.query_lens_list[s]
+        return max(0, ctx - self.sliding_window + 1) if self.sliding_window else 0
+
+    def _build_window_decode(self, block_tables: list[list[int]]) -> None:
+        """``window_block_tables`` and ``window_decode_mask`` for the sliding decodes."""
+        nd, bs = self.num_decodes, self.block_size
+        if not nd:
+            return
+        firsts = [self.window_start(b) for b in range(nd)]
+        first_blocks = [f // bs for f in firsts]
+        nbw = max((slen - 1) // bs - fb + 1 for slen, fb in zip(self.seq_lens_list, first_blocks))
+        rows = [block_tables[b][fb:fb + nbw] for b, fb in enumerate(first_blocks)]
+        as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.seq_lens.device)  # noqa: E731
+        self.window_block_tables = as_t([r + [0] * (nbw - len(r)) for r in rows]).view(nd, nbw)
+        if nd > 1:
+            pos = as_t(first_blocks)[:, None] * bs + torch.arange(nbw * bs, device=self.seq_lens.device)[None]
+            visible = (pos >= as_t(firsts)[:, None]) & (pos < self.seq_lens[:nd, None])
+            self.window_decode_mask = visible[:, None, None, :]
 
     def _build_decode_mask(self) -> torch.Tensor | None:
         """Padding mask for the batched decode path, shared by all layers (None when not needed)."""

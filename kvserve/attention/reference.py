@@ -16,7 +16,9 @@ def reference_paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_ca
                               meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [num_tokens, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim] in q's dtype. Query token i of a sequence with
-    context c sees cache positions 0 .. c + i. A QuantizedKVCache is dequantized first (plain
+    context c sees cache positions 0 .. c + i, or with ``meta.sliding_window`` W > 0 only positions
+    c + i - W + 1 .. c + i (positions before the first query's window are never read: their blocks
+    may have been freed). A QuantizedKVCache is dequantized first (plain
     quantize → dequantize → attend: the oracle for the fused quantized path)."""
     if isinstance(key_cache, QuantizedKVCache):
         key_cache, value_cache = dequantize_cache(key_cache), dequantize_cache(value_cache)
@@ -28,14 +30,16 @@ def reference_paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_ca
         start = int(meta.query_start_loc[s])
         qlen, slen = meta.query_lens_list[s], meta.seq_lens_list[s]
         table = meta.block_tables[s].tolist()
-        k = torch.stack([key_cache[table[p // bs], p % bs] for p in range(slen)]).double()
-        v = torch.stack([value_cache[table[p // bs], p % bs] for p in range(slen)]).double()
-        k = k.repeat_interleave(group, dim=1)  # [slen, num_heads, d]
+        ctx, W = slen - qlen, meta.sliding_window
+        lo = max(0, ctx - W + 1) if W else 0  # first position any query of this sequence sees
+        k = torch.stack([key_cache[table[p // bs], p % bs] for p in range(lo, slen)]).double()
+        v = torch.stack([value_cache[table[p // bs], p % bs] for p in range(lo, slen)]).double()
+        k = k.repeat_interleave(group, dim=1)  # [slen - lo, num_heads, d]
         v = v.repeat_interleave(group, dim=1)
         qs = q[start:start + qlen].double()  # [qlen, H, d]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        ctx = slen - qlen
-        allowed = torch.arange(slen)[None, :] <= (ctx + torch.arange(qlen))[:, None]
+        kpos, qpos = torch.arange(lo, slen)[None, :], (ctx + torch.arange(qlen))[:, None]
+        allowed = (kpos <= qpos) & (kpos > qpos - W) if W else kpos <= qpos
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:start + qlen] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)

@@ -1,7 +1,11 @@
 """Turns a SchedulerOutput into batch tensors, runs the model, samples.
 
 Owns the KV cache tensors: per layer a pair ``[num_blocks, block_size, num_kv_heads, head_dim]``
-(for int8/fp8 a pair of ``QuantizedKVCache``: 1-byte codes of that shape plus scales).
+(for int8/fp8 a pair of ``QuantizedKVCache``: 1-byte codes of that shape plus scales); for MLA one
+latent cache per layer ``[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]`` (no V).
+With sliding-window layers the layers form KV cache groups (kvserve/kv_cache/spec.py): the i-th layer
+of every group uses the i-th pair of tensors (with its group's block ids), and each group gets its own
+AttentionMetadata; the model then receives one metadata per layer.
 Builds ``input_ids``, ``positions``, ``slot_mapping``, ``block_tables``, ``seq_lens`` and
 ``query_start_loc``; computes logits only for sequences that sample this step. Decides nothing
 about who runs.
@@ -25,11 +29,19 @@ class ModelRunner:
         self.kv_spec = kv_spec
         self.device = torch.device(device)
         self.num_blocks = num_blocks
-        self.kv_caches = [(self._alloc_cache(), self._alloc_cache()) for _ in range(kv_spec.num_layers)]
+        self.groups = kv_spec.groups
+        if kv_spec.attention == "mla":
+            self.kv_caches = [self._alloc_cache() for _ in range(kv_spec.num_layers)]
+        elif len(self.groups) > 1:  # tensor slot i holds the i-th layer of every group
+            slots = [(self._alloc_cache(), self._alloc_cache()) for _ in range(kv_spec.layers_per_block)]
+            slot_of = {layer: i for g in self.groups for i, layer in enumerate(g.layer_ids)}
+            self.kv_caches = [slots[slot_of[layer]] for layer in range(kv_spec.num_layers)]
+        else:
+            self.kv_caches = [(self._alloc_cache(), self._alloc_cache()) for _ in range(kv_spec.num_layers)]
         self.sampler = Sampler()
 
     def _alloc_cache(self):
-        """One layer's K or V cache: a float tensor, or QuantizedKVCache (1-byte codes + scales)."""
+        """One layer's K or V (or MLA latent) cache: a float tensor, or QuantizedKVCache (1-byte codes + scales)."""
         spec = self.kv_spec
         shape = (self.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         kind = kind_of_dtype(spec.dtype)
@@ -41,8 +53,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         if sched.is_empty:
             return RunnerOutput()
-        input_ids, positions, meta = self._prepare(sched)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        input_ids, positions, meta, layer_meta = self._prepare(sched)
+        hidden = self.model(input_ids, positions, self.kv_caches, layer_meta)  # [T, hidden]
         out = RunnerOutput()
         self._prompt_logprobs(sched, hidden, meta, out)
         self._verify(sched, hidden, meta, out)
@@ -64,11 +76,17 @@ class ModelRunner:
             start, n = s.num_computed_tokens, s.num_scheduled_tokens
             ids.extend(s.token_ids())
             pos.extend(range(start, start + n))
-        meta = AttentionMetadata.build(
-            [s.block_table for s in sched.scheduled], [s.num_computed_tokens for s in sched.scheduled],
-            [s.num_scheduled_tokens for s in sched.scheduled], self.kv_spec.block_size, self.device)
+        ctx, qlens = [s.num_computed_tokens for s in sched.scheduled], [s.num_scheduled_tokens for s in sched.scheduled]
+        metas = [AttentionMetadata.build([s.block_tables[i] for s in sched.scheduled], ctx, qlens,
+                                         self.kv_spec.block_size, self.device, sliding_window=g.sliding_window)
+                 for i, g in enumerate(self.groups)]
         as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
-        return as_t(ids), as_t(pos), meta
+        return as_t(ids), as_t(pos), metas[0], metas[0] if len(metas) == 1 else self.per_layer_metadata(metas)
+
+    def per_layer_metadata(self, metas: list[AttentionMetadata]) -> list[AttentionMetadata]:
+        """Each layer's group metadata, in layer order."""
+        group_of = {layer: i for i, g in enumerate(self.groups) for layer in g.layer_ids}
+        return [metas[group_of[layer]] for layer in range(self.kv_spec.num_layers)]
 
     def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, meta, out: RunnerOutput) -> None:
         """For requests asking for prompt logprobs: logits at every position of this chunk whose next

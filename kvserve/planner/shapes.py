@@ -71,34 +71,45 @@ class ModelShape:
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, name: str | None = None) -> "ModelShape":
-        """The planner shape of an engine ModelConfig (dense, full attention)."""
+        """The planner shape of an engine ModelConfig (dense or MoE, GQA or MLA, sliding-window layers)."""
         return cls(name or cfg.name, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.tie_word_embeddings, cfg.attention_bias,
-                   cfg.max_position_embeddings)
+                   cfg.max_position_embeddings, attention=cfg.attention, q_lora_rank=cfg.q_lora_rank,
+                   kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                   qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, num_experts=cfg.num_experts,
+                   num_experts_per_tok=cfg.num_experts_per_tok, num_shared_experts=cfg.num_shared_experts,
+                   moe_intermediate_size=cfg.moe_intermediate_size,
+                   first_k_dense_replace=cfg.first_k_dense_replace if cfg.num_experts else 0,
+                   sliding_window=cfg.sliding_window if any(cfg.layer_windows) else 0,
+                   num_sliding_layers=sum(1 for w in cfg.layer_windows if w))
 
     def replace(self, **changes) -> "ModelShape":
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ KV cache
     def kv_bytes_per_token_per_layer(self, kv_dtype: str) -> float:
-        """Bytes one token adds to one layer's cache: GQA 2 × num_kv_heads × head_dim × b (K and V),
-        from the engine's KVCacheSpec (which adds its per-head scales for 1-byte dtypes);
-        MLA (kv_lora_rank + qk_rope_head_dim) × b (the compressed latent and the shared RoPE key)."""
+        """Bytes one token adds to one layer's cache: GQA 2 × num_kv_heads × head_dim × b (K and V);
+        MLA (kv_lora_rank + qk_rope_head_dim) × b (the compressed latent and the shared RoPE key). For the
+        dtypes the engine stores, its KVCacheSpec's figure (with its scales for 1-byte dtypes)."""
         b = dtype_bytes(kv_dtype)
+        if kv_dtype in _TORCH_KV_DTYPES:
+            return self._kv_spec(kv_dtype).bytes_per_token_per_layer
         if self.attention == "mla":
             return (self.kv_lora_rank + self.qk_rope_head_dim) * b
-        return self._kv_spec(kv_dtype).bytes_per_token_per_layer if kv_dtype in _TORCH_KV_DTYPES else \
-            2 * self.num_kv_heads * self.head_dim * b
+        return 2 * self.num_kv_heads * self.head_dim * b
 
     def _kv_spec(self, kv_dtype: str) -> KVCacheSpec:
-        """The engine's spec for plain attention (same bytes as the engine's StepStats)."""
+        """The engine's spec for this attention kind (same bytes as the engine's StepStats)."""
+        if self.attention == "mla":
+            return KVCacheSpec.mla(self.num_layers, self.kv_lora_rank, self.qk_rope_head_dim,
+                                   _TORCH_KV_DTYPES[kv_dtype], block_size=16)
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim,
                            _TORCH_KV_DTYPES[kv_dtype], block_size=16)
 
     def kv_bytes_per_token(self, kv_dtype: str) -> float:
         """Bytes one token adds to the cache over all layers (sliding layers included: they store the
         token too, until it leaves the window). Llama-3-70B bf16: 2 × 80 × 8 × 128 × 2 = 327,680 B."""
-        if self.attention == "gqa" and kv_dtype in _TORCH_KV_DTYPES:
+        if kv_dtype in _TORCH_KV_DTYPES:
             return self._kv_spec(kv_dtype).bytes_per_token
         return self.num_layers * self.kv_bytes_per_token_per_layer(kv_dtype)
 

@@ -32,7 +32,10 @@ class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, kv_spec: KVCacheSpec, num_blocks: int, num_speculative_tokens: int):
         self.k = num_speculative_tokens
         self.runner = ModelRunner(model, kv_spec, num_blocks)
-        self.kv = KVCacheManager(num_blocks, kv_spec.block_size)
+        # sliding groups free nothing here (allocate_slots gets no num_computed_tokens): a proposal
+        # round rolls back to the target's verified length, which may reach before a freed window
+        self.kv = KVCacheManager(num_blocks, kv_spec.block_size,
+                                 group_windows=[g.sliding_window for g in kv_spec.groups])
         self._seqs: dict[str, _DraftSeq] = {}
 
     def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
@@ -63,7 +66,7 @@ class DraftModelProposer:
 
     def _entry(self, shadow: Request) -> ScheduledRequest:
         n = len(shadow.all_token_ids) - shadow.num_computed_tokens
-        return ScheduledRequest(shadow, shadow.num_computed_tokens, n, self.kv.block_table(shadow.request_id), True)
+        return ScheduledRequest(shadow, shadow.num_computed_tokens, n, self.kv.block_tables(shadow.request_id), True)
 
     def free(self, request_id: str) -> None:
         """The target request finished: drop its draft KV blocks."""
