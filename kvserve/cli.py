@@ -19,6 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="catalog name (smollm2-135m), .gguf file, HF directory, or dummy preset")
     g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    g.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"],
+                   help="matrix storage: auto keeps a GGUF's Q4_0/Q4_1 (int4) and Q8_0 (int8) packed; "
+                        "float32/bfloat16 dequantize (must equal --dtype)")
     g.add_argument("--kv-cache-memory", default=None, help="KV cache budget in bytes, e.g. 512MiB (default 1GiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache budget in blocks instead")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -36,6 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the decoder layers (fewer per-op overheads; the first steps compile)")
     g.add_argument("--seed-engine", type=int, default=0, help=argparse.SUPPRESS)
 
 
@@ -66,23 +71,38 @@ def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
 def build_llm(a: argparse.Namespace, progress: bool = True):
     from kvserve.llm import LLM
 
-    return LLM(a.model, dtype=a.dtype, load_format=a.load_format, kv_cache_memory=a.kv_cache_memory,
+    return LLM(a.model, dtype=a.dtype, weight_dtype=a.weight_dtype, load_format=a.load_format, kv_cache_memory=a.kv_cache_memory,
                num_kv_blocks=a.num_kv_blocks, block_size=a.block_size, max_model_len=a.max_model_len,
                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                num_threads=a.threads, seed=a.seed_engine, progress=progress,
                enable_prefix_caching=a.enable_prefix_caching, kv_cache_dtype=a.kv_cache_dtype,
                speculative_method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
-               draft_model=a.draft_model, draft_load_format=a.draft_load_format)
+               draft_model=a.draft_model, draft_load_format=a.draft_load_format, compile=a.compile)
+
+
+def _weight_kinds(eng) -> str:
+    kinds = {k: v for k, v in eng.weight_kinds.items() if v > 0}
+    return "" if not kinds else " (matrices: " + ", ".join(f"{v} {k}" for k, v in kinds.items()) + ")"
 
 
 def model_header(llm) -> str:
     eng = llm.engine
     cfg = eng.model_config
     return (f"  model {eng.model_name}: {cfg.num_layers} layers, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads "
-            f"x {cfg.head_dim}, {str(eng.dtype).removeprefix('torch.')}, weights {eng.weight_bytes_per_step / 1e6:.1f} MB "
+            f"x {cfg.head_dim}, {str(eng.dtype).removeprefix('torch.')}{_weight_kinds(eng)}, weights {eng.weight_bytes_per_step / 1e6:.1f} MB "
             f"read per step\n  KV cache {str(eng.kv_spec.dtype).removeprefix('torch.')}: "
             f"{eng.kv_spec.bytes_per_token:,} B/token{' (incl. float32 scales)' if eng.kv_spec.is_quantized else ''}, "
-            f"{eng.num_kv_blocks} blocks x {eng.kv_spec.block_size} tokens")
+            f"{eng.num_kv_blocks} blocks x {eng.kv_spec.block_size} tokens{_window_note(eng.kv_spec)}")
+
+
+def _window_note(spec) -> str:
+    """For sliding-window models: which layers slide, and what a decode step reads per context token."""
+    if not spec.num_sliding_layers:
+        return ""
+    w, full = spec.sliding_window, spec.num_layers - spec.num_sliding_layers
+    return (f" x {spec.layers_per_block} layers\n  sliding window: {spec.num_sliding_layers} of {spec.num_layers} layers "
+            f"attend to the last {w:,} tokens and free older blocks; a decode step at context c reads "
+            f"{spec.bytes_per_token_per_layer:,} B x ({full} x c + {spec.num_sliding_layers} x min(c, {w:,}))")
 
 
 # ---------------------------------------------------------------------- generate / chat

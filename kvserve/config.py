@@ -53,6 +53,9 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a decoder-only transformer (Llama family). Sizes are counts, not bytes.
@@ -75,6 +78,41 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has bias on q/k/v projections
+    # Multi-head latent attention (attention "mla": DeepSeek-V2/V3, arXiv:2405.04434 §2.1). The cache
+    # holds one kv_lora_rank + qk_rope_head_dim latent per token and layer; head_dim = qk_nope + qk_rope
+    # (the query/key head), num_kv_heads = num_heads. q_lora_rank 0 = a plain q_proj (no low-rank query).
+    attention: str = "gqa"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # checkpoint rotates interleaved pairs (DeepSeek); the loader de-interleaves
+    # Mixture of experts (DeepSeekMoE, arXiv:2401.06066): layers i >= first_k_dense_replace with
+    # i % moe_layer_freq == 0 have num_experts routed experts (num_experts_per_tok per token) of
+    # moe_intermediate_size plus num_shared_experts always-on ones; the router is topk_method
+    # greedy | group_limited_greedy (V2) | noaux_tc (V3) over scoring_func softmax | sigmoid scores.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    num_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = False
+    topk_method: str = "greedy"
+    scoring_func: str = "softmax"
+    num_expert_groups: int = 1
+    topk_group: int = 1
+    # Local/global attention (Gemma 3, arXiv:2503.19786): layer i attends only to the last
+    # ``sliding_window`` tokens (itself included) when ``layer_types[i]`` is "sliding_attention", to the
+    # whole context when "full_attention" (HF names). Empty ``layer_types``: every layer is full.
+    # Sliding layers rotate with ``rope_local_base_freq``, full ones with ``rope_theta`` (+ rope_scaling).
+    # Attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (0: head_dim ** -0.5).
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+    rope_local_base_freq: float = 10000.0
+    query_pre_attn_scalar: int = 0
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     name: str = "custom"
@@ -93,21 +131,87 @@ class ModelConfig:
                               f"model.num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+        self._validate_mla_moe()
+        self._validate_sliding()
         return self
+
+    def _validate_mla_moe(self) -> None:
+        if self.attention not in ("gqa", "mla"):
+            raise ConfigError(f"model.attention must be gqa or mla, got {self.attention!r}")
+        if self.attention == "mla":
+            for f in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, f) <= 0:
+                    raise ConfigError(f"model.{f} must be > 0 for MLA, got {getattr(self, f)}")
+            if self.qk_rope_head_dim % 2 or self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+                raise ConfigError(f"MLA needs an even qk_rope_head_dim ({self.qk_rope_head_dim}) and head_dim "
+                                  f"({self.head_dim}) = qk_nope_head_dim + qk_rope_head_dim")
+        if not self.num_experts:
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
+            raise ConfigError(f"MoE needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= num_experts "
+                              f"({self.num_experts}) and moe_intermediate_size > 0")
+        if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ConfigError(f"model.topk_method must be greedy|group_limited_greedy|noaux_tc, "
+                              f"got {self.topk_method!r}")
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            raise ConfigError(f"model.scoring_func must be softmax or sigmoid, got {self.scoring_func!r}")
+        if self.moe_layer_freq <= 0 or self.num_experts % self.num_expert_groups \
+                or not 0 < self.topk_group <= self.num_expert_groups:
+            raise ConfigError(f"MoE needs moe_layer_freq > 0, num_experts ({self.num_experts}) divisible by "
+                              f"n_group ({self.num_expert_groups}) and 0 < topk_group <= n_group")
+
+    def _validate_sliding(self) -> None:
+        if self.sliding_window < 0:
+            raise ConfigError(f"model.sliding_window must be >= 0 (0 = none), got {self.sliding_window}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"model.layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = set(self.layer_types) - set(LAYER_TYPES)
+        if bad:
+            raise ConfigError(f"model.layer_types entries must be one of {LAYER_TYPES}, got {sorted(bad)}")
+        if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
+            raise ConfigError("model.layer_types has sliding_attention layers but sliding_window is 0")
+
+    def layer_window(self, layer: int) -> int:
+        """Tokens layer ``layer`` (0-based) attends to: ``sliding_window`` for a sliding layer, 0 (all)
+        for a full-attention one."""
+        sliding = bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else 0
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """``layer_window`` of every layer (all 0 for a model without sliding-window layers)."""
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` (0-based) has routed experts (DeepSeek's rule)."""
+        return bool(self.num_experts) and layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
     @property
     def rope_scaling_dict(self) -> dict | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
     def num_params(self) -> int:
-        """Parameter count (embeddings counted once when tied)."""
+        """Parameter count (embeddings counted once when tied; MLA/MoE norms and biases ignored)."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * d * h
         if self.attention_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        layer = attn + 3 * h * i + 2 * h
+        if self.attention == "mla":
+            attn = self._mla_params()
+        num_moe = sum(self.is_moe_layer(n) for n in range(self.num_layers))
+        moe = h * self.num_experts + 3 * h * self.moe_intermediate_size * (self.num_experts + self.num_shared_experts)
+        norms = 4 * h + 2 * d if self.architecture == "gemma3" else 2 * h  # Gemma 3: 4 norms + q/k norms
+        layers = self.num_layers * (attn + norms) + (self.num_layers - num_moe) * 3 * h * i + num_moe * moe
         emb = self.vocab_size * h
-        return self.num_layers * layer + emb * (1 if self.tie_word_embeddings else 2) + h
+        return layers + emb * (1 if self.tie_word_embeddings else 2) + h
+
+    def _mla_params(self) -> int:
+        """q (low-rank or plain), kv_a (latent + rope key), kv_b (latent → k_nope, v), o (arXiv:2405.04434)."""
+        h, H, r = self.hidden_size, self.num_heads, self.q_lora_rank
+        q = h * r + r * H * self.head_dim if r else h * H * self.head_dim
+        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + \
+            self.kv_lora_rank * H * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + H * self.v_head_dim * h
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -213,17 +317,32 @@ class SpecDecodeConfig:
         return self
 
 
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+
+
+def _validate_weight_dtype(weight_dtype: str, dtype: str) -> None:
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ConfigError(f"weight_dtype must be one of {'|'.join(WEIGHT_DTYPES)}, got {weight_dtype!r}")
+    if weight_dtype in ("float32", "bfloat16") and parse_dtype(weight_dtype) != parse_dtype(dtype):
+        raise ConfigError(f"weight_dtype {weight_dtype} needs dtype {weight_dtype} (float weights are "
+                          f"multiplied in the compute dtype, here {dtype}); or use weight_dtype int8/int4")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an :class:`~kvserve.engine.llm_engine.LLMEngine` needs.
 
     ``model`` is a path (.gguf file or HF directory) or a catalog name; ``load_format`` is
     auto|gguf|safetensors|dummy; ``dummy_config`` gives the shape for dummy weights when ``model``
-    is not a preset name.
+    is not a preset name. ``dtype`` is the compute dtype (activations, norms, attention);
+    ``weight_dtype`` how matrices are stored: auto (a GGUF keeps its Q4_0/Q4_1/Q8_0 quantization,
+    anything else uses ``dtype``), float32/bfloat16 (must equal ``dtype``), int8 or int4
+    (kvserve/models/quant.py).
     """
 
     model: str = "smollm2-135m"
     dtype: str = "float32"
+    weight_dtype: str = "auto"
     load_format: str = "auto"
     seed: int = 0
     tokenizer: str | None = None
@@ -232,11 +351,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec_decode: SpecDecodeConfig = field(default_factory=SpecDecodeConfig)
     num_threads: int = 0  # 0 = leave torch's default
+    compile: bool = False  # torch.compile the decoder layers (kvserve/engine/compile.py)
 
     def validate(self) -> "EngineConfig":
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"model must be a non-empty string (name or path), got {self.model!r}")
         parse_dtype(self.dtype)
+        _validate_weight_dtype(self.weight_dtype, self.dtype)
         _require_int("seed", self.seed)
         if not -2**63 <= self.seed < 2**63:
             raise ConfigError(f"seed must be in [-2**63, 2**63), got {self.seed}")

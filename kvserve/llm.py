@@ -27,18 +27,18 @@ class LLM:
     fp8_e5m2|int8 (the 1-byte kinds keep a float32 scale per token and KV head). Raises ConfigError for bad settings.
     """
 
-    def __init__(self, model: str = "smollm2-135m", *, dtype: str = "float32", load_format: str = "auto",
+    def __init__(self, model: str = "smollm2-135m", *, dtype: str = "float32", weight_dtype: str = "auto", load_format: str = "auto",
                  seed: int = 0, block_size: int = 16, kv_cache_memory: int | str | None = None,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int = 0, dummy_config=None, num_threads: int = 0, progress: bool = True,
                  enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
                  speculative_method: str | None = None, num_speculative_tokens: int = 3,
                  draft_model: str | None = None, draft_load_format: str = "auto",
-                 prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
+                 prompt_lookup_min: int = 1, prompt_lookup_max: int = 4, compile: bool = False):
         mem = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
         config = EngineConfig(
-            model=model, dtype=dtype, load_format=load_format, seed=seed, dummy_config=dummy_config,
-            num_threads=num_threads,
+            model=model, dtype=dtype, weight_dtype=weight_dtype, load_format=load_format, seed=seed, dummy_config=dummy_config,
+            num_threads=num_threads, compile=compile,
             cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=mem, num_blocks=num_kv_blocks,
                               enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

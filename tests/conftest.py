@@ -17,7 +17,7 @@ def tiny():
 @pytest.fixture(scope="session")
 def smollm2():
     """The bundled real model (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to float32)."""
-    return LLM("smollm2-135m", progress=False)
+    return LLM("smollm2-135m", weight_dtype="float32", progress=False)
 
 
 class ServerHandle:

@@ -30,7 +30,7 @@ def _loops(ids: list[int], tail: int = 48) -> bool:
 @pytest.fixture(scope="module")
 def reference():
     """float32 answers, the prompt+answer token ids, and their float32 teacher-forced logprobs."""
-    llm = LLM(progress=False, max_model_len=1024)
+    llm = LLM(progress=False, max_model_len=1024, weight_dtype="float32")
     outs = llm.chat(CONVS, GREEDY)
     full = [llm.encode_chat(c)[1] + o.outputs[0].token_ids for c, o in zip(CONVS, outs)]
     prompt_lens = [len(llm.encode_chat(c)[1]) for c in CONVS]
@@ -48,7 +48,7 @@ def _mean_abs_delta(lp_q, lp_f, prompt_lens) -> tuple[float, float]:
            "(ppl +4.8% at 2k); use fp8_e4m3 or int8", strict=False))])
 def test_12_quantized_cache_stops_where_full_precision_stops(reference, kind):
     ref_outs, full, prompt_lens, lp_f = reference
-    llm = LLM(progress=False, max_model_len=1024, kv_cache_dtype=kind)
+    llm = LLM(progress=False, max_model_len=1024, kv_cache_dtype=kind, weight_dtype="float32")
     mean, worst = _mean_abs_delta(window_logprobs(llm, full), lp_f, prompt_lens)
     print(f"\n{kind}: teacher-forced mean |Δ logprob| {mean:.4f}, max {worst:.3f}")
     assert mean < MEAN_DELTA[kind]

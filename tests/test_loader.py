@@ -67,7 +67,7 @@ QWEN_BIASES = {
 }
 
 
-def write_tiny_gguf(path, arch: str = "llama", tied: bool = False) -> dict[str, np.ndarray]:
+def write_tiny_gguf(path, arch: str = "llama", tied: bool = False, token_types=None) -> dict[str, np.ndarray]:
     """Write a 1-layer GGUF; return the original float32 tensors by HF name (before permute/quant)."""
     rng = np.random.default_rng(0)
     specs = dict(TINY_TENSORS)
@@ -88,6 +88,8 @@ def write_tiny_gguf(path, arch: str = "llama", tied: bool = False) -> dict[str, 
     w.add_vocab_size(VOCAB)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(TOKENS)
+    if token_types is not None:
+        w.add_token_types(token_types)
     w.add_bos_token_id(0)
     w.add_eos_token_id(EOS_ID)
     originals = {}
@@ -135,6 +137,16 @@ def quant_error_bound(x: np.ndarray, qtype) -> np.ndarray:
 def tiny_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     return str(path), write_tiny_gguf(path)
+
+
+def test_only_control_tokens_end_a_turn(tmp_path):
+    """An end-of-turn name that is an ordinary token of the vocab (Gemma's ``</s>``, type 4) is not an EOS."""
+    types = [gguf.TokenType.NORMAL] * VOCAB
+    types[EOS_ID + 1] = gguf.TokenType.CONTROL  # <|im_end|>
+    types[EOS_ID + 2] = gguf.TokenType.USER_DEFINED  # <|endoftext|> as an ordinary token
+    path = tmp_path / "typed.gguf"
+    write_tiny_gguf(path, token_types=types)
+    assert loader.read_gguf_config(str(path)).eos_token_ids == (EOS_ID, EOS_ID + 1)
 
 
 def test_gguf_config_from_metadata(tiny_gguf):

@@ -5,6 +5,7 @@ wires them, fans an ``n > 1`` request out into ``n`` sequences and gathers their
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 from collections import deque
@@ -18,7 +19,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_cache.spec import KVCacheSpec
-from kvserve.metrics.step_stats import StepStats, weight_bytes_of
+from kvserve.metrics.step_stats import StepStats, routed_expert_bytes_read, weight_bytes_of
 from kvserve.metrics.timeline import RequestTimeline, now
 from kvserve.models.catalog import ModelSource, resolve_model
 from kvserve.models.loader import load_checkpoint
@@ -27,6 +28,8 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.spec_decode.speculator import build_speculator
+
+logger = logging.getLogger(__name__)
 
 
 class PromptTooLongError(InvalidRequestError):
@@ -65,12 +68,17 @@ class LLMEngine:
         self.dtype = config.torch_dtype
         self._check_weights_fit(ckpt.config)
         self.model = build_model(ckpt.config, self.dtype, ckpt.weights, seed=config.seed)
+        self.weight_kinds = self._quantize_weights(ckpt)
+        if config.compile:
+            from kvserve.engine.compile import compile_decoder_layers
+            compile_decoder_layers(self.model)
         self.max_model_len = self._resolve_max_model_len()
         kv_dtype = parse_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.kv_spec = KVCacheSpec.from_model(ckpt.config, kv_dtype, config.cache.block_size)
         num_blocks = self._resolve_num_blocks()
-        self.kv_spec.check_fits(num_blocks, self.max_model_len)
-        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv_spec.check_fits(num_blocks, self.max_model_len, config.scheduler.max_num_batched_tokens)
+        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, self._prefix_caching(),
+                                         group_windows=[g.sliding_window for g in self.kv_spec.groups])
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_spec, num_blocks)
         self.speculator = build_speculator(config.spec_decode, ckpt.config.vocab_size, self.dtype, config.seed)
@@ -89,6 +97,22 @@ class LLMEngine:
             from kvserve.config import ConfigError
             raise ConfigError(f"max_model_len ({want}) exceeds the model's context length ({limit})")
         return want
+
+    def _quantize_weights(self, ckpt) -> dict[str, int]:
+        """Pack matrices as int4/int8 per ``weight_dtype`` (kvserve/models/quant.py); count per kind."""
+        wd = self.config.weight_dtype
+        if wd in ("float32", "bfloat16") or (wd == "auto" and ckpt.quant_sources is None):
+            return {"float": -1}
+        from kvserve.models.quant import quantize_model
+        return quantize_model(self.model, wd, ckpt.quant_sources() if ckpt.quant_sources else None)
+
+    def _prefix_caching(self) -> bool:
+        """Whether prefix caching is on: as configured, except for models with sliding-window layers."""
+        if self.config.cache.enable_prefix_caching and len(self.kv_spec.groups) > 1:
+            logger.warning("prefix caching is off for %s: its sliding-window layers free the blocks that leave "
+                           "their window, so a cached prefix would lack them", self.model_name)
+            return False
+        return self.config.cache.enable_prefix_caching
 
     def _check_weights_fit(self, cfg: ModelConfig) -> None:
         """ConfigError (instead of the OOM killer) when the weights alone exceed physical memory."""
@@ -268,8 +292,10 @@ class LLMEngine:
         self.step_stats.append(StepStats(
             step=self._step, start_s=t0, wall_s=wall, num_seqs=len(sched.scheduled), num_tokens=num_tokens,
             num_decode_tokens=sum(1 for s in sched.scheduled if s.num_scheduled_tokens == 1),
-            weight_bytes=self.weight_bytes_per_step + num_tokens * self._embedding_row_bytes,
-            kv_bytes_read=sum(seq_lens) * self.kv_spec.bytes_per_token,
+            weight_bytes=(self.weight_bytes_per_step + num_tokens * self._embedding_row_bytes
+                          + routed_expert_bytes_read(self.model)),  # MoE: only the experts this step used
+            kv_bytes_read=sum(self.kv_spec.kv_bytes_read(n, s.num_scheduled_tokens)  # sliding: window only
+                              for n, s in zip(seq_lens, sched.scheduled)),
             kv_bytes_per_token=self.kv_spec.bytes_per_token,
             request_ids=tuple(s.request.request_id for s in sched.scheduled)))
 

@@ -1,4 +1,5 @@
-"""Read checkpoints: GGUF (any ggml quant type, dequantized to float32) and HF safetensors directories.
+"""Read checkpoints: GGUF (any ggml quant type, dequantized to float32; :mod:`kvserve.models.gguf_loader`)
+and HF safetensors directories.
 
 Weights come out as ``(hf_name, tensor)`` pairs with HF Llama names and HF shapes
 (``[out_features, in_features]``), so model files never see a checkpoint format. Configs come out as
@@ -11,38 +12,23 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.models.catalog import DEFAULT_MODEL, ModelSource, catalog_path
+from kvserve.models.gguf_loader import (END_OF_TURN_TOKENS, GGUF_ARCHITECTURES, _config_from_reader,  # noqa: F401
+                                        _iter_reader_weights, _open_gguf, gguf_quant_sources, gguf_to_hf_name,
+                                        iter_gguf_weights, read_gguf_config, unpermute_qk)
+from kvserve.models.quant import SourceQuant
 
 logger = logging.getLogger(__name__)
 
-GGUF_ARCHITECTURES = ("llama", "qwen2")
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
-# Tokens that end a turn in common chat templates; any present in the vocab joins eos_token_ids.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>",
-                      "<end_of_turn>", "</s>")
-
-# GGUF tensor name (after "blk.N.") → HF name (after "model.layers.N."). Source: llama.cpp
-# gguf-py/gguf/tensor_mapping.py (MODEL_TENSOR.ATTN_Q ... FFN_DOWN).
-_GGUF_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                      "output": "lm_head"}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "deepseek_v2", "deepseek_v3")
 
 @dataclass(slots=True)
 class Checkpoint:
@@ -53,161 +39,7 @@ class Checkpoint:
     weights: Iterator[tuple[str, torch.Tensor]] | None
     tokenizer: Any
     seed: int = 0
-
-
-# ----------------------------------------------------------------------------------------- GGUF
-
-
-def _open_gguf(path: str):
-    """GGUFReader for ``path`` (memory-mapped; parsing metadata takes ~2 s for a 49k vocab)."""
-    import gguf
-
-    if not os.path.isfile(path):
-        raise ConfigError(f"GGUF file not found: {path!r}")
-    try:
-        return gguf.GGUFReader(path, "r")
-    except (ValueError, OSError) as e:  # bad magic, truncated or empty file
-        raise ConfigError(f"{path}: not a valid GGUF file ({e})") from e
-
-
-def _field(reader, key: str, default: Any = None) -> Any:
-    """Value of GGUF metadata ``key`` as a Python scalar/str/list, or ``default`` if absent."""
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
-def _f32_to_float(value: float) -> float:
-    """Shortest decimal of a float32 metadata value (9.999999747378752e-06 → 1e-05)."""
-    return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
-
-
-def _gguf_eos_ids(reader) -> tuple[int, ...]:
-    """EOS id first, then the ids of end-of-turn tokens present in the vocab (and GGUF eot/eom ids)."""
-    ids = [_field(reader, "tokenizer.ggml.eos_token_id")]
-    ids += [_field(reader, "tokenizer.ggml.eot_token_id"), _field(reader, "tokenizer.ggml.eom_token_id")]
-    tokens = _field(reader, "tokenizer.ggml.tokens", [])
-    index = {t: i for i, t in enumerate(tokens) if t in END_OF_TURN_TOKENS}
-    ids += [index[t] for t in END_OF_TURN_TOKENS if t in index]
-    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
-
-
-def _gguf_rope_scaling(reader, arch: str) -> tuple[tuple[str, object], ...] | None:
-    """HF-style rope_scaling items from ``{arch}.rope.scaling.*`` metadata (linear/yarn), else None."""
-    kind = _field(reader, f"{arch}.rope.scaling.type")
-    if kind in (None, "none"):
-        return None
-    items = {"rope_type": kind, "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
-    orig = _field(reader, f"{arch}.rope.scaling.original_context_length")
-    if orig is not None:
-        items["original_max_position_embeddings"] = int(orig)
-    return tuple(sorted(items.items()))
-
-
-def _config_from_reader(reader, path: str) -> ModelConfig:
-    """ModelConfig from an open GGUFReader; ConfigError for an unsupported architecture."""
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ConfigError(f"{path}: GGUF architecture {arch!r} is not supported "
-                          f"(supported: {list(GGUF_ARCHITECTURES)})")
-    tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        logger.warning("%s: rope_freqs.weight (Llama-3.1 RoPE scaling) is ignored", path)
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(_field(reader, f"{arch}.vocab_size", int(embed.shape[-1]))),
-        hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(reader, arch),
-        rms_norm_eps=_f32_to_float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=_gguf_eos_ids(reader),
-        name=_field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0],
-    )
-
-
-def read_gguf_config(path: str) -> ModelConfig:
-    """ModelConfig from GGUF metadata (``general.architecture`` llama — Mistral GGUFs use it too — or
-    qwen2). ``tie_word_embeddings`` is True when there is no ``output.weight`` tensor.
-    Raises ConfigError if the file is missing or the architecture unsupported."""
-    return _config_from_reader(_open_gguf(path), path)
-
-
-def gguf_to_hf_name(gguf_name: str) -> str | None:
-    """HF Llama name for a GGUF tensor name ('blk.3.attn_q.weight' → 'model.layers.3.self_attn.q_proj.
-    weight'); None for tensors the model does not use (e.g. 'rope_freqs.weight')."""
-    m = _BLOCK_RE.match(gguf_name)
-    if m:
-        layer, part, kind = m.groups()
-        hf = _GGUF_BLOCK_NAMES.get(part)
-        return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
-    base, _, kind = gguf_name.rpartition(".")
-    hf = _GGUF_GLOBAL_NAMES.get(base)
-    return None if hf is None else f"{hf}.{kind}"
-
-
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs → HF rotate-half halves).
-
-    ``w``: [n_head * head_dim, ...] (weight or bias). llama.cpp's convert_hf_to_gguf.py
-    ``LlamaModel.permute`` does ``w.reshape(n_head, 2, head_dim//2, ...).swapaxes(1, 2)``; this is its
-    inverse, as in HF transformers ``LlamaTensorProcessor._reverse_permute_weights``.
-    """
-    assert w.shape[0] % (2 * n_head) == 0, (w.shape, n_head)
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _dequantize(tensor) -> np.ndarray:
-    """float32 numpy array in numpy (HF) order [rows, cols] for a GGUF ReaderTensor of any type."""
-    from gguf.quants import dequantize
-
-    arr = dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims innermost first
-    arr = arr.reshape(shape).astype(np.float32, copy=False)
-    return arr if arr.flags.writeable else arr.copy()  # F32 comes back as a read-only memmap view
-
-
-def _iter_reader_weights(reader, config: ModelConfig, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    from tqdm.auto import tqdm
-
-    for tensor in tqdm(reader.tensors, desc=f"Loading {config.name}", unit="tensor", disable=not progress):
-        name = gguf_to_hf_name(tensor.name)
-        if name is None:
-            logger.debug("skipping GGUF tensor %s", tensor.name)
-            continue
-        arr = _dequantize(tensor)
-        # llama.cpp permutes q/k only for the llama architecture (qwen2 uses NeoX RoPE, unpermuted).
-        if config.architecture == "llama" and ".attn_q." in tensor.name:
-            arr = unpermute_qk(arr, config.num_heads)
-        elif config.architecture == "llama" and ".attn_k." in tensor.name:
-            arr = unpermute_qk(arr, config.num_kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(arr))
-
-
-def iter_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor in HF shape) for every tensor of a GGUF file.
-
-    Dequantizes every ggml type gguf-py supports (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, ...)
-    with ``gguf.quants.dequantize`` and un-permutes llama q/k rows (see :func:`unpermute_qk`). Shows a
-    tqdm bar "Loading <name>" unless ``progress`` is False. Raises ConfigError for a missing file or
-    unsupported architecture; NotImplementedError for a ggml type gguf-py cannot dequantize.
-    """
-    reader = _open_gguf(path)
-    yield from _iter_reader_weights(reader, _config_from_reader(reader, path), progress)
+    quant_sources: Callable[[], dict[str, SourceQuant]] | None = None  # GGUF only: how each tensor was stored
 
 
 # ---------------------------------------------------------------------------------- safetensors
@@ -254,7 +86,7 @@ def _read_json(path: str) -> dict:
 
 
 def read_hf_config(directory: str) -> ModelConfig:
-    """ModelConfig from an HF directory's config.json (model_type llama, mistral or qwen2).
+    """ModelConfig from an HF directory's config.json (model_type llama, mistral, qwen2, deepseek_v2/v3).
 
     EOS ids: config.json's ``eos_token_id`` then generation_config.json's, deduplicated. rope_scaling
     is kept as sorted, hashable items. Raises ConfigError for a missing/unreadable config or an
@@ -278,7 +110,7 @@ def read_hf_config(directory: str) -> ModelConfig:
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
+        head_dim=_hf_head_dim(cfg, num_heads),
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -288,7 +120,38 @@ def read_hf_config(directory: str) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
         name=os.path.basename(os.path.abspath(directory)),
+        **_hf_mla_moe(cfg, model_type),
     )
+
+
+def _hf_head_dim(cfg: dict, num_heads: int) -> int:
+    """Query/key head size; for MLA qk_nope + qk_rope (DeepSeek's config.json ``head_dim`` is the rope part)."""
+    if cfg.get("kv_lora_rank"):
+        return int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
+
+
+def _hf_mla_moe(cfg: dict, model_type: str) -> dict:
+    """MLA and MoE fields of a DeepSeek-V2/V3 config.json ({} for other models). V3 configs carry no
+    topk_method/scoring_func: V3 routes noaux_tc over sigmoid scores; V2 defaults to greedy softmax.
+    ``q_lora_rank`` null → 0 (plain q_proj); V2 checkpoints always rotate interleaved RoPE pairs."""
+    if model_type not in ("deepseek_v2", "deepseek_v3"):
+        return {}
+    v3 = model_type == "deepseek_v3"
+    get = lambda key, default: default if cfg.get(key) is None else cfg[key]  # noqa: E731
+    return dict(
+        attention="mla", q_lora_rank=int(get("q_lora_rank", 0)), kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]), rope_interleave=bool(get("rope_interleave", True)),
+        num_experts=int(get("n_routed_experts", 0)), num_experts_per_tok=int(get("num_experts_per_tok", 0)),
+        num_shared_experts=int(get("n_shared_experts", 0)),
+        moe_intermediate_size=int(get("moe_intermediate_size", 0)),
+        first_k_dense_replace=int(get("first_k_dense_replace", 0)), moe_layer_freq=int(get("moe_layer_freq", 1)),
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(get("norm_topk_prob", False)),
+        topk_method=get("topk_method", "noaux_tc" if v3 else "greedy"),
+        scoring_func=get("scoring_func", "sigmoid" if v3 else "softmax"),
+        num_expert_groups=int(get("n_group", 1)), topk_group=int(get("topk_group", 1)))
 
 
 def iter_safetensors_weights(directory: str, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -398,10 +261,12 @@ def load_checkpoint(source: ModelSource, seed: int = 0, progress: bool = True,
     native dtype for safetensors, None for dummy (the model initialises itself from ``seed``).
     ``tokenizer`` overrides the tokenizer path. Raises ConfigError for unreadable sources.
     """
+    sources = None
     if source.kind == "gguf":
         reader = _open_gguf(source.path)
         config = _config_from_reader(reader, source.path).replace(name=source.name)
         weights = _iter_reader_weights(reader, config, progress)
+        sources = lambda: gguf_quant_sources(reader, config)  # noqa: E731
     elif source.kind == "safetensors":
         config = read_hf_config(source.path).replace(name=source.name)
         weights = iter_safetensors_weights(source.path, progress)
@@ -412,4 +277,5 @@ def load_checkpoint(source: ModelSource, seed: int = 0, progress: bool = True,
     else:
         raise ConfigError(f"unknown model source kind {source.kind!r}")
     tok = load_tokenizer_from_path(tokenizer) if tokenizer else load_tokenizer(source)
-    return Checkpoint(config=config.validate(), weights=weights, tokenizer=tok, seed=seed)
+    return Checkpoint(config=config.validate(), weights=weights, tokenizer=tok, seed=seed,
+                      quant_sources=sources)

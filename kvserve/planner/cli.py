@@ -131,7 +131,9 @@ def cmd_explain(a: argparse.Namespace) -> int:
     if a.probe:
         save_probe(probe)
     probe.dtype = a.dtype
-    llm = LLM(a.model, dtype=a.dtype, max_model_len=max(a.contexts) + a.output_tokens + 16, progress=False)
+    # dense weights in the probed dtype: the probe measures float GEMVs, not the packed int4/int8 kernels
+    llm = LLM(a.model, dtype=a.dtype, weight_dtype=a.dtype, max_model_len=max(a.contexts) + a.output_tokens + 16,
+              progress=False)
     rows = run_explain(llm, probe, a.contexts, a.output_tokens)
     print(format_explain(rows, probe, llm.engine.model_name))
     if a.plot:

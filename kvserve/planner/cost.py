@@ -35,6 +35,12 @@ class Workload:
     tokenize_ms: float = 0.0
     queue_ms: float = 0.0
     network_ms: float = 0.0
+    weight_bytes_per_param: float = 0.0  # > 0: overrides weight_dtype's size (a mixed packed format)
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes per weight read: ``weight_bytes_per_param`` if set, else ``weight_dtype``'s size."""
+        return self.weight_bytes_per_param or dtype_bytes(self.weight_dtype)
 
     def validate(self) -> "Workload":
         for f in ("prompt_tokens", "output_tokens", "batch", "tp"):
@@ -111,7 +117,7 @@ def step_cost(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, num
     ``lm_head_tokens`` tokens. Megatron TP: two all-reduces per layer (Shoeybi et al. 2019, §3)."""
     tp = w.tp
     seq_tokens = sum(context_tokens) if isinstance(context_tokens, list) else context_tokens
-    wb = dtype_bytes(w.weight_dtype)
+    wb = w.weight_bytes
     weight_bytes = (shape.params_read_per_step(num_tokens) * wb + num_tokens * shape.hidden_size * wb) / tp
     kv_bytes = (shape.kv_tokens_read_sum(context_tokens) * shape.kv_bytes_per_token(w.kv_dtype)
                 * kv_shard_fraction(shape, tp))
@@ -164,11 +170,11 @@ class Capacity:
 
 def capacity(shape: ModelShape, hw: Hardware, w: Workload) -> Capacity:
     context = w.prompt_tokens + w.output_tokens
-    weights = shape.num_params() * dtype_bytes(w.weight_dtype) / w.tp
+    weights = shape.num_params() * w.weight_bytes / w.tp
     per_seq = shape.kv_bytes_stored(context, w.kv_dtype) * kv_shard_fraction(shape, w.tp)
     budget = hw.memory_bytes * GPU_MEMORY_UTILIZATION
     max_batch = max(0, int((budget - weights) // per_seq)) if per_seq else 0
-    read_weights = shape.params_read_per_step(w.batch) * dtype_bytes(w.weight_dtype)
+    read_weights = shape.params_read_per_step(w.batch) * w.weight_bytes
     return Capacity(budget, weights, w.batch * per_seq, weights + w.batch * per_seq <= budget, max_batch,
                     read_weights / shape.kv_bytes_per_token(w.kv_dtype))
 

@@ -45,7 +45,10 @@ def engine_workload(llm, context_tokens: int, output_tokens: int) -> tuple[Model
     wd = _DTYPE_NAMES[str(eng.dtype).removeprefix("torch.")]
     kd = _DTYPE_NAMES[str(eng.kv_spec.dtype).removeprefix("torch.")]
     chunk = eng.config.scheduler.max_num_batched_tokens
-    return shape, Workload(context_tokens, output_tokens, 1, 1, wd, kd, chunk_tokens=chunk)
+    packed = any(eng.weight_kinds.get(k, 0) > 0 for k in ("int4", "int8"))
+    per_param = eng.weight_bytes_per_step / shape.params_read_per_step(1) if packed else 0.0  # int4/int8 mix
+    return shape, Workload(context_tokens, output_tokens, 1, 1, wd, kd, chunk_tokens=chunk,
+                           weight_bytes_per_param=per_param)
 
 
 def measure_context(llm, context_tokens: int, output_tokens: int) -> tuple[float, float, float]:

@@ -1,0 +1,264 @@
+"""Weight-only quantized linear layers for CPU decode: 4-bit group-wise and 8-bit per-channel.
+
+A decode step reads every weight once, so its time is weight bytes ÷ bandwidth. These layers keep the
+weights packed in memory and multiply with PyTorch's CPU weight-only kernels
+(``torch._weight_int4pack_mm_for_cpu``, ``torch._weight_int8pack_mm``): nothing dequantizes a whole
+matrix per step. Both kernels take bfloat16 activations with bfloat16 scales (their float32 paths
+are ~20× slower on CPU), so a float32 model converts activations at the layer boundary.
+
+GGUF block formats (llama.cpp ``ggml-quants.c``, blocks of 32 weights along the input dimension):
+
+- ``Q4_1``: ``w = d·q + m`` (q ∈ [0, 15], d and m float16) → 4-bit codes ``q`` as they are; kernel
+  scale ``d`` and zero point ``m + 8d`` (the kernel computes ``(q − 8)·scale + zero``). Rounded: d and
+  m + 8d to bfloat16 (8 significant bits; relative error ≤ 2⁻⁸ of each).
+- ``Q4_0``: ``w = d·(q − 8)`` → codes ``q``, scale ``d``, zero 0. Rounded: d to bfloat16.
+- ``Q8_0``: ``w = d_b·q`` (q int8, one float16 ``d_b`` per block) → the int8 kernel has one scale per
+  output row, so codes are re-rounded: ``s = max|w_row| / 127``, ``q' = round(w / s)`` (error ≤ s/2).
+- anything else (Q4_K, Q6_K, F16, F32, safetensors): quantized from the float weights — int4 with the
+  Q4_1 rule per group of 32 (min/max, error ≤ scale/2), int8 per output row as for Q8_0.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZE = 32  # weights per scale: GGUF's block size
+KERNEL_DTYPE = torch.bfloat16
+# Steps of at least this many tokens (prefill chunks) multiply with a bfloat16 copy of the dequantized
+# weights: there the work is compute-bound, and bf16 GEMMs (AMX / AVX512-BF16) ran 4-10x faster than
+# the int4 kernel at 256-1024 rows on this project's machine. Decode steps read the packed weights.
+DENSE_MIN_TOKENS = 32
+
+
+@dataclass(slots=True)
+class BlockQuant:
+    """One GGUF tensor's 4-bit blocks in HF row order: ``w[n, k] = codes[n, k]·scale[n, k // 32] +
+    min[n, k // 32]``. codes: [N, K] uint8 in [0, 15]; scale, min: [N, K // 32] float32."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    min: np.ndarray
+
+    def permute_rows(self, fn) -> "BlockQuant":
+        return BlockQuant(fn(self.codes), fn(self.scale), fn(self.min))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        n, k = self.codes.shape
+        w = self.codes.reshape(n, k // GROUP_SIZE, GROUP_SIZE) * self.scale[..., None] + self.min[..., None]
+        return torch.from_numpy(w.reshape(n, k).astype(np.float32))
+
+
+def gguf_block_quant(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> BlockQuant | None:
+    """Decode a Q4_0/Q4_1 GGUF tensor's raw bytes (``ReaderTensor.data``: [N, bytes per row] uint8)
+    into codes and per-block scale/min. ``shape`` is (N, K) in HF order. None for other types.
+
+    Block layouts (ggml-common.h): Q4_0 = f16 d, 16 bytes of nibbles; Q4_1 = f16 d, f16 m, 16 bytes.
+    Byte j of the nibbles holds weight j in its low 4 bits and weight j + 16 in its high 4 bits.
+    """
+    if type_name not in ("Q4_0", "Q4_1"):
+        return None
+    n, k = shape
+    header = 2 if type_name == "Q4_0" else 4
+    blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP_SIZE, header + 16)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    qs = blocks[..., header:]  # [N, K/32, 16]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)  # [N, K] uint8
+    if type_name == "Q4_0":
+        return BlockQuant(codes, d, -8.0 * d)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return BlockQuant(codes, d, m)
+
+
+def quantize_int4_minmax(w: torch.Tensor, group_size: int = GROUP_SIZE) -> BlockQuant:
+    """Q4_1's rule per group of ``group_size`` along K: scale = (max − min)/15, codes =
+    round((w − min)/scale). w: [N, K] float. Max error per weight: scale/2."""
+    n, k = w.shape
+    g = w.detach().float().reshape(n, k // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    codes = ((g - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+    return BlockQuant(codes.reshape(n, k).numpy(), scale.numpy(), lo.numpy())
+
+
+class Int4Linear(nn.Module):
+    """``y = x·Wᵀ + b`` with W as 4-bit codes and a bfloat16 (scale, zero) per group of 32 inputs.
+
+    x: [..., in_features] any float dtype → y: [..., out_features] in x's dtype. Memory per weight:
+    0.5 byte + 4 bytes per 32 (0.625 B), plus a bfloat16 copy for steps of ≥ ``DENSE_MIN_TOKENS``
+    tokens (``dense_prefill``). Kernel: ``torch._weight_int4pack_mm_for_cpu``.
+    """
+
+    def __init__(self, block: BlockQuant, bias: torch.Tensor | None = None, dense_prefill: bool = True):
+        super().__init__()
+        n, k = block.codes.shape
+        self.in_features, self.out_features, self.group_size = k, n, GROUP_SIZE
+        codes = torch.from_numpy(np.ascontiguousarray(block.codes)).to(torch.int32)
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))  # [N, K/2] uint8
+        scale, lo = torch.from_numpy(block.scale), torch.from_numpy(block.min)  # [N, K/32] float32
+        zeros = lo + 8 * scale  # the kernel dequantizes (q − 8)·scale + zero
+        self.register_buffer("scale_zeros", torch.stack([scale, zeros], -1).transpose(0, 1)
+                             .contiguous().to(KERNEL_DTYPE))  # [K/32, N, 2]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.dense = self.dequantize().to(KERNEL_DTYPE) if dense_prefill else None  # [N, K] for prefill
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes a decode step reads (codes + scales; the prefill copy is not counted)."""
+        return self.packed.numel() + self.scale_zeros.numel() * self.scale_zeros.element_size()
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight this layer multiplies with, float32 [N, K] (reference for tests)."""
+        eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scale_zeros).float().T
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # [T, K]
+        if self.dense is not None and x2.shape[0] >= DENSE_MIN_TOKENS:
+            y = F.linear(x2, self.dense)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_zeros)
+        y = y.to(x.dtype) if self.bias is None else y.to(x.dtype) + self.bias
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+class Int8Linear(nn.Module):
+    """``y = x·Wᵀ + b`` with W as int8 codes and one bfloat16 scale per output row:
+    ``W[n] = q[n]·s[n]``, ``s[n] = max|W[n]| / 127``. x: [..., in] → [..., out] in x's dtype.
+    Kernel: ``torch._weight_int8pack_mm``; steps of ≥ ``DENSE_MIN_TOKENS`` tokens use a bf16 copy."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dense_prefill: bool = True):
+        super().__init__()
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        scale = (w.abs().amax(1) / 127).clamp_min(1e-12)  # [N]
+        self.register_buffer("qweight", (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scale.to(KERNEL_DTYPE))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.dense = self.dequantize().to(KERNEL_DTYPE) if dense_prefill else None  # [N, K] for prefill
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # [T, K]
+        if self.dense is not None and x2.shape[0] >= DENSE_MIN_TOKENS:
+            y = F.linear(x2, self.dense)
+        else:
+            y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+        y = y.to(x.dtype) if self.bias is None else y.to(x.dtype) + self.bias
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+QUANTIZED_LINEARS = (Int4Linear, Int8Linear)
+
+
+def reference_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """Plain float32 ``x·dequantize(W)ᵀ + b`` — the oracle the packed kernels are tested against."""
+    y = F.linear(x.float(), layer.dequantize())
+    return y if layer.bias is None else y + layer.bias.float()
+
+
+@dataclass(slots=True)
+class SourceQuant:
+    """How a checkpoint tensor was stored: its ggml type name ('Q4_1', 'Q8_0', 'F32', ...) and, for
+    Q4_0/Q4_1, its decoded blocks (None otherwise)."""
+
+    type_name: str
+    blocks: BlockQuant | None = None
+
+
+def _choose(weight_dtype: str, source: str | None) -> str:
+    """'int4' | 'int8' | 'float' for one matrix. ``source`` is the ggml type of its checkpoint tensor."""
+    if weight_dtype == "int8":
+        return "int8"
+    if weight_dtype == "int4":
+        return "int4"  # every matrix, the LM head too (its int4 GEMV is ~3x faster than int8's here)
+    # auto: keep the checkpoint's own precision
+    if source in ("Q4_0", "Q4_1"):
+        return "int4"
+    if source == "Q8_0":
+        return "int8"
+    return "float"
+
+
+def _module_sources(model: nn.Module, sources: dict[str, SourceQuant]) -> dict[str, list[tuple[int, SourceQuant]]]:
+    """Linear module name → [(row offset, source)] of the checkpoint tensors fused into it."""
+    rows = getattr(model, "weight_rows", None)
+    out: dict[str, list[tuple[int, SourceQuant]]] = {}
+    if rows is None:
+        return out
+    for hf_name, src in sources.items():
+        param, offset = rows(hf_name)
+        if param is not None and param.endswith(".weight"):
+            out.setdefault(param.removesuffix(".weight"), []).append((offset or 0, src))
+    return out
+
+
+def _int4_from(linear_weight: torch.Tensor, parts: list[tuple[int, SourceQuant]]) -> BlockQuant:
+    """Exact GGUF blocks when every row of the matrix has them, else Q4_1-rule re-quantization."""
+    n = linear_weight.shape[0]
+    parts = sorted(parts, key=lambda p: p[0])
+    if parts and all(src.blocks is not None for _, src in parts):
+        covered = sum(src.blocks.codes.shape[0] for _, src in parts)
+        if covered == n:
+            cat = lambda f: np.concatenate([f(src.blocks) for _, src in parts])  # noqa: E731
+            return BlockQuant(cat(lambda b: b.codes), cat(lambda b: b.scale), cat(lambda b: b.min))
+    return quantize_int4_minmax(linear_weight)
+
+
+def quantize_model(model: nn.Module, weight_dtype: str, sources: dict[str, SourceQuant] | None = None) -> dict[str, int]:
+    """Replace ``model``'s nn.Linear layers (and a tied LM head) by packed int4/int8 layers in place.
+
+    ``weight_dtype``: 'int4', 'int8' or 'auto' (follow ``sources``: HF name → :class:`SourceQuant`,
+    from a GGUF). Models name their fused rows with ``weight_rows(hf_name) -> (param, row offset)``;
+    without it every int4 matrix is re-quantized from its float weights. int4 matrices whose input
+    size is not a multiple of 32, or output size not a multiple of 16 (the kernel's packing), stay
+    float. Returns a count of layers per kind.
+    """
+    sources = sources or {}
+    by_module = _module_sources(model, sources)
+    counts = {"int4": 0, "int8": 0, "float": 0}
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear):
+            continue
+        parts = by_module.get(name, [])
+        kinds = {src.type_name for _, src in parts}
+        source = kinds.pop() if len(kinds) == 1 else None
+        kind = _choose(weight_dtype, source)
+        if kind == "int4" and (mod.in_features % GROUP_SIZE or mod.out_features % 16):
+            kind = "float"  # the int4 packing needs whole groups of 32 inputs and outputs in 16s
+        counts[kind] += 1
+        if kind != "float":
+            new = Int4Linear(_int4_from(mod.weight, parts), mod.bias) if kind == "int4" else Int8Linear(mod.weight, mod.bias)
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, new)
+    embed = getattr(model, "embed_tokens", None)
+    if getattr(model, "lm_head", "absent") is None and embed is not None:  # tied: the table is the LM head
+        src = sources.get("model.embed_tokens.weight")
+        kind = _choose(weight_dtype, src.type_name if src else None)
+        if kind != "float":
+            model.lm_head = (Int8Linear(embed.weight) if kind == "int8" else
+                             Int4Linear(_int4_from(embed.weight, [(0, src)] if src else [])))
+            counts[kind] += 1
+    logger.info("weights: %s", ", ".join(f"{v} {k}" for k, v in counts.items() if v))
+    return counts

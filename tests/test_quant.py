@@ -1,0 +1,188 @@
+"""Packed int4/int8 weights (kvserve/models/quant.py) against plain float32 matmuls and gguf-py.
+
+Oracles: ``gguf.quants`` (llama.cpp's reference quantizers/dequantizers in Python) for the GGUF block
+mapping; a float32 ``x @ dequantize(W).T`` for the packed kernels; hand-computed byte counts.
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvserve.config import ConfigError, ModelConfig
+from kvserve.models.quant import (BlockQuant, Int4Linear, Int8Linear, gguf_block_quant, quantize_int4_minmax,
+                                  quantize_model, reference_linear)
+
+
+
+def _gguf_roundtrip(w: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(raw GGUF bytes [N, bytes per row], gguf-py's float32 dequantization [N, K])."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    raw = gguf.quants.quantize(w, qtype)
+    return raw, gguf.quants.dequantize(raw, qtype).reshape(w.shape)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_gguf_blocks_decode_to_gguf_py_values(type_name):
+    w = np.random.default_rng(0).standard_normal((48, 256)).astype(np.float32)
+    raw, ref = _gguf_roundtrip(w, type_name)
+    blocks = gguf_block_quant(raw, type_name, w.shape)
+    assert blocks.codes.min() >= 0 and blocks.codes.max() <= 15
+    np.testing.assert_allclose(blocks.dequantize().numpy(), ref, rtol=0, atol=1e-6)
+
+
+def test_other_gguf_types_are_not_decoded_as_blocks():
+    w = np.zeros((4, 64), np.float32)
+    raw, _ = _gguf_roundtrip(w, "Q8_0")
+    assert gguf_block_quant(raw, "Q8_0", w.shape) is None
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_int4_linear_keeps_gguf_codes_with_bf16_scales(type_name):
+    """Kernel weights = GGUF weights up to bfloat16 rounding of scale and zero point (the docstring's
+    bound); ``dequantize`` reads them back through the kernel, whose bf16 output adds |w|·2⁻⁸."""
+    w = np.random.default_rng(1).standard_normal((64, 128)).astype(np.float32)
+    raw, ref = _gguf_roundtrip(w, type_name)
+    blocks = gguf_block_quant(raw, type_name, w.shape)
+    layer = Int4Linear(blocks)
+    scale = np.repeat(blocks.scale, 32, axis=1)
+    zero = np.repeat(blocks.min + 8 * blocks.scale, 32, axis=1)
+    bound = (np.abs(blocks.codes.astype(np.float32) - 8) * np.abs(scale) + np.abs(zero) + np.abs(ref)) * 2.0 ** -8 + 1e-7
+    err = np.abs(layer.dequantize().numpy() - ref)
+    assert (err <= bound).all(), float((err / bound).max())
+
+
+@pytest.mark.parametrize("T", [1, 3, 40])
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_packed_matmul_matches_float32_reference(kind, T):
+    """|y − x·Wᵀ| ≤ 2⁻⁶ · Σ_k |x_k W_nk|: x, y (and, for T ≥ 32 tokens, the bf16 prefill copy of W) are
+    rounded to bfloat16 (unit roundoff 2⁻⁸ each) around a float32 accumulation; a wrong code, scale or
+    zero breaks the bound by orders. T = 1, 3 run the packed kernel, T = 40 the dense prefill path."""
+    g = torch.Generator().manual_seed(T)
+    w = torch.randn(96, 192, generator=g)
+    bias = torch.randn(96, generator=g)
+    layer = Int4Linear(quantize_int4_minmax(w), bias) if kind == "int4" else Int8Linear(w, bias)
+    x = torch.randn(T, 192, generator=g)
+    y = layer(x)
+    assert y.shape == (T, 96) and y.dtype == torch.float32
+    ref = reference_linear(x, layer)
+    bound = 2.0 ** -6 * (x.abs() @ layer.dequantize().abs().T) + 1e-4
+    assert ((y - ref).abs() <= bound).all()
+
+
+def test_quantization_error_of_float_weights_is_within_half_a_step():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 64, generator=g)
+    b = quantize_int4_minmax(w)
+    step = np.repeat(b.scale, 32, axis=1)
+    assert (np.abs(b.dequantize().numpy() - w.numpy()) <= step / 2 + 1e-6).all()
+    q8 = Int8Linear(w)
+    s = w.abs().amax(1, keepdim=True) / 127
+    # codes are exact to half a step; the bf16 scale adds up to 127·s·2⁻⁸
+    assert ((q8.dequantize() - w).abs() <= s / 2 + 127 * s * 2.0 ** -8 + 1e-6).all()
+
+
+def _tiny(**kw) -> ModelConfig:
+    base = dict(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                num_heads=4, num_kv_heads=2, max_position_embeddings=256, tie_word_embeddings=True, name="tiny-q")
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _int4_bytes(n: int, k: int) -> int:
+    return n * k // 2 + (k // 32) * n * 2 * 2  # nibbles + a bf16 (scale, zero) pair per 32 inputs
+
+
+@pytest.mark.parametrize("weight_dtype", ["int4", "int8"])
+def test_engine_weight_bytes_follow_the_packed_format(weight_dtype):
+    from kvserve import LLM
+
+    cfg = _tiny()
+    llm = LLM(dummy_config=cfg, weight_dtype=weight_dtype, progress=False, num_kv_blocks=64)
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    mats = [((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h), (h, cfg.num_heads * d), (2 * i, h), (h, i)]
+    if weight_dtype == "int4":
+        layer = sum(_int4_bytes(n, k) for n, k in mats)
+    else:
+        layer = sum(n * k + n * 2 for n, k in mats)
+    norms = (2 * cfg.num_layers + 1) * h * 4  # float32 RMSNorm weights
+    if weight_dtype == "int4":  # the tied table is quantized as the LM head
+        lm_head = _int4_bytes(cfg.vocab_size, h)
+    else:
+        lm_head = cfg.vocab_size * h + cfg.vocab_size * 2  # int8 + bf16 scale per row
+    assert llm.engine.weight_bytes_per_step == cfg.num_layers * layer + norms + lm_head
+    n = 4 * cfg.num_layers + 1
+    want = {"int4": n, "int8": 0, "float": 0} if weight_dtype == "int4" else {"int4": 0, "int8": n, "float": 0}
+    assert llm.engine.weight_kinds == want
+
+
+def test_quantized_engine_generates_like_its_float_model():
+    """Greedy tokens of the int8 model follow the float model's (random weights: logits are close)."""
+    from kvserve import LLM, SamplingParams
+
+    cfg = _tiny()
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5, 9, 100, 7], list(range(30, 70))]
+    ref = LLM(dummy_config=cfg, progress=False, num_kv_blocks=64).generate(prompts, params)
+    q = LLM(dummy_config=cfg, weight_dtype="int8", progress=False, num_kv_blocks=64).generate(prompts, params)
+    same = sum(a == b for r, o in zip(ref, q) for a, b in zip(r.outputs[0].token_ids, o.outputs[0].token_ids))
+    assert same >= 0.75 * 2 * 12
+
+
+def test_weight_dtype_errors_name_the_field():
+    from kvserve import LLM
+
+    with pytest.raises(ConfigError, match="weight_dtype"):
+        LLM(dummy_config=_tiny(), weight_dtype="int3", progress=False)
+    with pytest.raises(ConfigError, match="weight_dtype bfloat16 needs dtype bfloat16"):
+        LLM(dummy_config=_tiny(), weight_dtype="bfloat16", dtype="float32", progress=False)
+
+
+def test_shapes_the_int4_packing_cannot_take_stay_float():
+    from torch import nn
+
+    model = nn.Sequential()
+    model.a = nn.Linear(48, 16)  # 48 % 32 != 0
+    model.b = nn.Linear(64, 16)
+    model.c = nn.Linear(64, 40)  # 40 % 16 != 0
+    counts = quantize_model(model, "int4")
+    assert counts == {"int4": 1, "int8": 0, "float": 2}
+    assert isinstance(model.a, nn.Linear) and isinstance(model.b, Int4Linear) and isinstance(model.c, nn.Linear)
+
+
+def test_block_quant_rows_permute_together():
+    b = BlockQuant(np.arange(4 * 64, dtype=np.uint8).reshape(4, 64) % 16,
+                   np.arange(8, dtype=np.float32).reshape(4, 2), np.zeros((4, 2), np.float32))
+    p = b.permute_rows(lambda a: a[::-1])
+    np.testing.assert_array_equal(p.dequantize().numpy(), b.dequantize().numpy()[::-1])
+
+
+@pytest.fixture(scope="module")
+def smollm2_q4():
+    from kvserve import LLM
+
+    return LLM("smollm2-135m", weight_dtype="auto", progress=False, max_model_len=512, kv_cache_memory="64MiB")
+
+
+def test_bundled_q4_1_gguf_runs_packed_with_its_own_codes(smollm2, smollm2_q4):
+    """auto keeps the GGUF's Q4_1 matrices as int4 (codes as stored) and its Q8_0 table as the int8 LM
+    head; the packed q/k/v rows (un-permuted like the float path) equal the float model's weights up to
+    the bf16 scale/zero rounding bound."""
+    eng = smollm2_q4.engine
+    assert eng.weight_kinds == {"int4": 4 * 30, "int8": 1, "float": 0}
+    qkv = eng.model.layers[3].self_attn.qkv_proj
+    ref = smollm2.engine.model.layers[3].self_attn.qkv_proj.weight.float()
+    assert isinstance(qkv, Int4Linear) and qkv.dequantize().shape == ref.shape
+    assert ((qkv.dequantize() - ref).abs() <= 3 * 2.0 ** -8 * ref.abs().amax(1, keepdim=True) + 1e-6).all()
+    assert eng.weight_bytes_per_step < 0.2 * smollm2.engine.weight_bytes_per_step  # ~95 MB vs 538 MB
+
+
+def test_bundled_model_answers_the_same_with_packed_weights(smollm2, smollm2_q4):
+    from kvserve import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    for prompt in ("The capital of France is", "One, two, three, four,"):
+        a = smollm2.generate(prompt, sp)[0].outputs[0].text
+        b = smollm2_q4.generate(prompt, sp)[0].outputs[0].text
+        assert a.split()[0] == b.split()[0], (prompt, a, b)
