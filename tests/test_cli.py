@@ -56,3 +56,34 @@ def test_generate_with_bundled_model_answers():
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "finish_reason=stop" in r.stderr
+
+
+def test_bench_compare_llamacpp_without_the_extra_is_a_clear_error(monkeypatch, capsys):
+    """llama-cpp-python is optional (the 'bench' extra): without it the flag fails before any benchmarking."""
+    import importlib.util
+
+    from kvserve.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    rc = main(["bench", "latency", *TINY, "--contexts", "32", "--compare", "llama.cpp"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "llama-cpp-python" in err and "pip install -e '.[bench]'" in err
+
+
+def test_bench_peer_columns_are_ratios_of_the_same_run():
+    from kvserve.bench.latency import ContextResult, LatencyReport, format_report
+
+    rep = LatencyReport("m", "bfloat16", 20.0, peer="llama.cpp",
+                        contexts=[ContextResult(128, 50.0, 9.0, 8.0, 10.0, 1e8, 12.5, 5.0, peer_ttft_ms=100.0,
+                                                peer_itl_p50_ms=10.0)])
+    text = format_report(rep)
+    assert "kvserve ÷ llama.cpp" in text and "0.50x" in text and "0.80x" in text
+
+
+def test_bench_kv_slope_is_extra_bytes_over_extra_time():
+    from kvserve.bench.latency import ContextResult, LatencyReport, kv_slope_gb_per_s
+
+    rows = [ContextResult(128, 1, 10.0, 10.0, 10, 100e6, 1, 1), ContextResult(4096, 1, 15.0, 14.0, 15, 180e6, 1, 1)]
+    assert abs(kv_slope_gb_per_s(LatencyReport("m", "f", 20.0, contexts=rows)) - 20.0) < 1e-9  # 80 MB / 4 ms
+    assert kv_slope_gb_per_s(LatencyReport("m", "f", 20.0, contexts=rows[:1])) is None

@@ -55,6 +55,18 @@ def test_cli_eval_ppl_compare(tmp_path):
     assert rep["test"]["num_scored_tokens"] == 63 and 0 < rep["mean_abs_delta"] <= rep["max_abs_delta"]
 
 
+def test_cli_eval_ppl_compare_weight_dtype(tmp_path):
+    out = tmp_path / "ppl.json"
+    r = kvserve("eval", "ppl", *TINY, "--context", "64", "--weight-dtype", "int4", "--compare-weight-dtype", "float32",
+                "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "weight_dtype=int4 kv_cache_dtype=auto: perplexity" in r.stdout
+    assert "(auto KV, int4 weights vs auto KV, float32 weights)" in r.stdout
+    rep = json.loads(out.read_text())
+    assert rep["test"]["weight_dtype"] == "int4" and rep["reference"]["weight_dtype"] == "float32"
+    assert rep["test"]["ppl"] != rep["reference"]["ppl"] and 0 < rep["mean_abs_delta"] <= rep["max_abs_delta"]
+
+
 def test_cli_kv_cache_dtype_in_header_and_errors():
     r = kvserve("generate", "Hello", *TINY, "--max-tokens", "3", "--ignore-eos", "--raw", "--kv-cache-dtype", "fp8_e4m3")
     assert r.returncode == 0, r.stderr

@@ -1,7 +1,8 @@
-/* Fused dequantize + decode attention over a paged 1-byte KV cache (see kv_quant_kernel.py).
+/* Fused dequantize + decode attention over a paged KV cache (see kv_quant_kernel.py).
  *
- * Codes: 0 = int8, 1 = float8 e4m3fn, 2 = float8 e5m2. A cached value is code_to_float(byte) * scale,
- * one float32 scale per (slot, kv head). The scale of K folds into the score, the scale of V into the
+ * Codes: 0 = int8, 1 = float8 e4m3fn, 2 = float8 e5m2 (1 byte each), 3 = float32, 4 = bfloat16 (no
+ * scales: pass NULL). A cached value is code_to_float(element) * scale, one float32 scale per
+ * (slot, kv head). The scale of K folds into the score, the scale of V into the
  * softmax weight, so the inner loops only convert bytes to floats (in registers, never to memory).
  * fp8 -> float: place the 7 magnitude bits at the top of a float's exponent/mantissa fields and
  * multiply by 2^(127 - bias) (bias 7 for e4m3, 15 for e5m2); exact for normals and subnormals.
@@ -13,8 +14,33 @@
 
 static inline float bits_to_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
 
+/* e^x for x <= 0 (softmax after subtracting the max), vectorizable: x = n ln2 + r with |r| <= ln2/2,
+ * e^r by the Cephes expf polynomial (relative error ~2e-7, like expf), 2^n through the exponent bits.
+ * Flushes to 0 below -87 (e^-87 ~ 1.6e-38, the float32 normal limit). */
+static inline float exp_nonpos(float x) {
+    const float xc = x < -87.f ? -87.f : x;
+    const float n = floorf(xc * 1.44269504088896341f + 0.5f);
+    const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    return x < -87.f ? 0.f : p * bits_to_float(bits);
+}
+
+static inline int elem_size(int code) { return code == 3 ? 4 : code == 4 ? 2 : 1; }
+
 static inline void decode_row(const uint8_t *src, float *dst, int d, int code) {
-    if (code == 0) {
+    if (code == 3) {
+        memcpy(dst, src, sizeof(float) * (size_t)d);
+    } else if (code == 4) {
+        const uint16_t *h = (const uint16_t *)src;
+        for (int i = 0; i < d; i++) dst[i] = bits_to_float((uint32_t)h[i] << 16);
+    } else if (code == 0) {
         for (int i = 0; i < d; i++) dst[i] = (float)(int8_t)src[i];
     } else if (code == 1) {
         for (int i = 0; i < d; i++) {
@@ -40,13 +66,14 @@ static inline __attribute__((always_inline)) void attend_chunk(
     const int64_t L = t_end - t_begin;
     float *scores = malloc(sizeof(float) * (size_t)(G * L + d));
     float *row = scores + G * L;
+    const int64_t es = elem_size(code);
     for (int g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.f; }
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
         for (int64_t j = 0; j < n; j++) {
             const int64_t slot = base + j, t = t0 + j - t_begin;
-            decode_row(kc + (slot * Hkv + h) * d, row, d, code);
-            const float sk = ks[slot * Hkv + h] * scale;
+            decode_row(kc + (slot * Hkv + h) * d * es, row, d, code);
+            const float sk = (ks ? ks[slot * Hkv + h] : 1.f) * scale;
             for (int g = 0; g < G; g++) {
                 const float *qg = qb + g * d;
                 float dot = 0.f;
@@ -59,7 +86,9 @@ static inline __attribute__((always_inline)) void attend_chunk(
     }
     for (int g = 0; g < G; g++) {
         float z = 0.f;
-        for (int64_t t = 0; t < L; t++) { float e = expf(scores[g * L + t] - mx[g]); scores[g * L + t] = e; z += e; }
+        float *sg = scores + g * L;
+        const float m = mx[g];
+        for (int64_t t = 0; t < L; t++) { const float e = exp_nonpos(sg[t] - m); sg[t] = e; z += e; }
         sum[g] = z;
     }
     memset(acc, 0, sizeof(float) * G * d);
@@ -67,8 +96,8 @@ static inline __attribute__((always_inline)) void attend_chunk(
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
         for (int64_t j = 0; j < n; j++) {
             const int64_t slot = base + j, t = t0 + j - t_begin;
-            decode_row(vc + (slot * Hkv + h) * d, row, d, code);
-            const float sv = vs[slot * Hkv + h];
+            decode_row(vc + (slot * Hkv + h) * d * es, row, d, code);
+            const float sv = vs ? vs[slot * Hkv + h] : 1.f;
             for (int g = 0; g < G; g++) {
                 const float w = scores[g * L + t] * sv;
                 float *a = acc + g * d;
@@ -79,7 +108,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
     free(scores);
 }
 
-/* q: [B, H, d]; caches: [num_blocks, bs, Hkv, d] codes; scales: [num_blocks, bs, Hkv];
+/* q: [B, H, d]; caches: [num_blocks, bs, Hkv, d] codes (or floats); scales: [num_blocks, bs, Hkv] or NULL;
  * block_tables: [B, bt_stride]; seq_lens: [B]; out: [B, H, d]. Query heads h*G .. h*G+G-1 share kv head h.
  * Work items are (sequence, kv head, chunk of ~512 tokens) so one long sequence keeps every thread busy;
  * the chunks' partial softmax states are then merged: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) z_c. */

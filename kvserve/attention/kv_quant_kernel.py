@@ -21,7 +21,7 @@ _SRC = Path(__file__).with_name("kv_quant_kernel.c")
 # no -ffast-math: with GCC < 13 it would set flush-to-zero for the whole process when the library loads
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
           "-fno-signed-zeros", "-fassociative-math"]
-CODES = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
+CODES = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "float32": 3, "bfloat16": 4}
 
 
 @functools.cache
@@ -52,6 +52,7 @@ def load() -> ctypes.CDLL | None:
     return dll
 
 
+@torch.compiler.disable  # ctypes on data pointers: opaque to torch.compile, run eagerly
 def decode_attention(dll: ctypes.CDLL, q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor,
                      k_scale: torch.Tensor, v_scale: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
@@ -69,6 +70,25 @@ def decode_attention(dll: ctypes.CDLL, q: torch.Tensor, k_codes: torch.Tensor, v
     return out
 
 
+@torch.compiler.disable
+def float_decode_attention(dll: ctypes.CDLL, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention straight from a float32 or bfloat16 paged cache: each K/V row is read once from
+    its block (no gather copy). q: [B, H, d] float32; caches: [num_blocks, bs, Hkv, d]; returns
+    [B, H, d] float32. Same chunked flash-decoding loop as the quantized kinds, scales omitted."""
+    B, H, d = q.shape
+    _, bs, Hkv, _ = key_cache.shape
+    kind = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[key_cache.dtype]
+    assert H // Hkv <= 64 and q.dtype == torch.float32 and key_cache.is_contiguous() and value_cache.is_contiguous()
+    q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
+    out = torch.empty_like(q)
+    dll.kvq_decode_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), None, None,
+                             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
+                             B, H, Hkv, d, bs, scale, CODES[kind], torch.get_num_threads())
+    return out
+
+
+@torch.compiler.disable
 def dequantize(dll: ctypes.CDLL, codes: torch.Tensor, scales: torch.Tensor, kind: str) -> torch.Tensor:
     """codes: [..., d] uint8 (contiguous); scales: [...] float32. Returns [..., d] float32."""
     codes, scales = codes.contiguous(), scales.contiguous().float()

@@ -3,13 +3,16 @@
 Grouped-query attention without repeating K/V: the ``G = num_heads / num_kv_heads`` query heads that
 share a KV head are laid out as extra rows of that KV head's query, so each K/V byte is read once per
 step. Decode (one query token) and prefill (many) take separate paths; both are checked against
-:mod:`kvserve.attention.reference`.
+:mod:`kvserve.attention.reference`. Sliding-window layers (``meta.sliding_window`` > 0) read only the
+blocks their window touches and mask the keys before it; long prefills are tiled so the work grows
+with ``window × query tokens``, not with the square of the context.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention import kv_quant_kernel
 from kvserve.attention.kv_quant import QuantizedKVCache, quantized_paged_attention, write_kv_quantized
 from kvserve.attention.metadata import AttentionMetadata
 
@@ -32,8 +35,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache
     q: [num_tokens, num_heads, head_dim]; k, v: this step's new [num_tokens, num_kv_heads, head_dim]
     (already written to the cache; used directly when a sequence has no earlier context).
     Returns [num_tokens, num_heads, head_dim]. Quantized caches go to
-    :func:`kvserve.attention.kv_quant.quantized_paged_attention`.
+    :func:`kvserve.attention.kv_quant.quantized_paged_attention`; sliding-window metadata to
+    :func:`sliding_window_attention`.
     """
+    if meta.sliding_window:
+        return sliding_window_attention(q, k, v, key_cache, value_cache, meta, scale)
     if isinstance(key_cache, QuantizedKVCache):
         return quantized_paged_attention(q, key_cache, value_cache, meta, scale)
     out = torch.empty_like(q)
@@ -63,8 +69,9 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tor
     return blocks.view(nb * bs, cache.shape[2], cache.shape[3])[:seq_len]
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [L, H, d]; k, v: [S, Hkv, d] with S >= L (the last L keys are the queries' own)."""
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """q: [L, H, d]; k, v: [S, Hkv, d] with S >= L (the last L keys are the queries' own). ``window`` > 0:
+    query i (at key index S - L + i) sees only the ``window`` keys ending at its own."""
     L, H, d = q.shape
     S, Hkv = k.shape[0], k.shape[1]
     G = H // Hkv
@@ -72,20 +79,27 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
     kg = k.permute(1, 0, 2)[:, None].expand(Hkv, G, S, d)  # stride-0 view: no copy of K
     vg = v.permute(1, 0, 2)[:, None].expand(Hkv, G, S, d)
     qg, kg, vg = _same_dtype(qg, kg, vg)
-    if S == L:
+    if S == L and (not window or L <= window):
         o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)
     else:
-        ctx = S - L
-        mask = torch.arange(S, device=q.device)[None, :] <= (ctx + torch.arange(L, device=q.device))[:, None]
+        kpos = torch.arange(S, device=q.device)[None, :]
+        qpos = (S - L + torch.arange(L, device=q.device))[:, None]
+        mask = (kpos <= qpos) & (kpos > qpos - window) if window else kpos <= qpos
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
     return o.to(q.dtype).permute(2, 0, 1, 3).reshape(L, H, d)  # [L, Hkv, G, d] -> [L, H, d]
 
 
 def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [B, H, d], one token per sequence; returns [B, H, d]. One sequence: its keys are sliced to
-    the exact length (no mask); several: padded to the longest with ``meta.decode_mask``."""
+    """q: [B, H, d], one token per sequence; returns [B, H, d]. On CPU the C kernel of
+    :mod:`kvserve.attention.kv_quant_kernel` reads each K/V row once straight from its block (no gather
+    copy: the step reads the KV bytes once). Otherwise gather + SDPA: one sequence's keys are sliced
+    to the exact length (no mask); several are padded to the longest with ``meta.decode_mask``."""
     B, H, d = q.shape
+    dll = kv_quant_kernel.load() if q.device.type == "cpu" and key_cache.dtype in _KERNEL_DTYPES else None
+    if dll is not None:
+        return kv_quant_kernel.float_decode_attention(dll, q.float(), key_cache, value_cache, meta.block_tables[:B],
+                                                      meta.seq_lens[:B], scale).to(q.dtype)
     Hkv, bs = key_cache.shape[2], key_cache.shape[1]
     G = H // Hkv
     seq_lens = meta.seq_lens_list[:B]
@@ -102,7 +116,82 @@ def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     return o.to(q.dtype).reshape(B, H, d)
 
 
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _same_dtype(q, k, v):
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     return q, k, v
+
+
+# ------------------------------------------------------------------------------ sliding window
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache, value_cache,
+                             meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """:func:`paged_attention` for a sliding-window layer: query position i attends to keys
+    ``max(0, i - W + 1) .. i`` (W = ``meta.sliding_window``, as HF's ``sliding_window_overlay``).
+    Only blocks from the one holding a sequence's first visible key are gathered. Float decodes run
+    batched; a quantized cache is dequantized block by block for the window only."""
+    quantized = isinstance(key_cache, QuantizedKVCache)
+    out = torch.empty_like(q)
+    nd = 0 if quantized else meta.num_decodes
+    if nd:
+        out[:nd] = _decode_window(q[:nd], key_cache, value_cache, meta, scale)
+    bs, window = meta.block_size, meta.sliding_window
+    for s in range(nd, meta.num_seqs):
+        start = _start(meta, s)
+        qlen, slen = meta.query_lens_list[s], meta.seq_lens_list[s]
+        if slen == qlen and not quantized:  # no earlier context: attend to the fresh K/V
+            ks, vs = k[start:start + qlen], v[start:start + qlen]
+        else:
+            first = meta.window_start(s) // bs * bs  # block-aligned first key gathered
+            ks = _gather_window(key_cache, meta.block_tables[s], first, slen)
+            vs = _gather_window(value_cache, meta.block_tables[s], first, slen)
+        out[start:start + qlen] = _prefill_window(q[start:start + qlen], ks, vs, scale, window)
+    return out
+
+
+def _gather_window(cache, block_table: torch.Tensor, first: int, seq_len: int) -> torch.Tensor:
+    """[seq_len - first, Hkv, d] keys (or values) at positions first .. seq_len - 1 (first block-aligned)."""
+    from kvserve.attention.kv_quant import gather_dequantized
+
+    bs = cache.shape[1]
+    table = block_table[first // bs:]
+    if isinstance(cache, QuantizedKVCache):
+        return gather_dequantized(cache, table, seq_len - first)
+    return _gather(cache, table, seq_len - first)
+
+
+def _prefill_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """q: [L, H, d]; k, v: [S, Hkv, d], the last L keys the queries' own. Queries go in tiles of
+    ``window`` tokens, each over the keys its window can reach (< 2 × window)."""
+    L, S = q.shape[0], k.shape[0]
+    ctx, tile = S - L, max(window, 64)
+    if L <= tile:
+        k0 = max(0, ctx - window + 1)
+        return _prefill(q, k[k0:], v[k0:], scale, window)
+    out = torch.empty_like(q)
+    for t0 in range(0, L, tile):
+        t1 = min(L, t0 + tile)
+        k0 = max(0, ctx + t0 - window + 1)
+        out[t0:t1] = _prefill(q[t0:t1], k[k0:ctx + t1], v[k0:ctx + t1], scale, window)
+    return out
+
+
+def _decode_window(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [B, H, d], one token per sequence, over ``meta.window_block_tables``: one sequence is
+    sliced to its exact window, several are masked with ``meta.window_decode_mask``."""
+    B, H, d = q.shape
+    Hkv, bs = key_cache.shape[2], key_cache.shape[1]
+    table = meta.window_block_tables  # [B, nbw]
+    span = table.shape[1] * bs
+    kb = key_cache.index_select(0, table.reshape(-1)).view(B, span, Hkv, d)
+    vb = value_cache.index_select(0, table.reshape(-1)).view(B, span, Hkv, d)
+    if B == 1:
+        base = meta.window_start(0) // bs * bs
+        lo, hi = meta.window_start(0) - base, meta.seq_lens_list[0] - base
+        kb, vb = kb[:, lo:hi], vb[:, lo:hi]
+    qg, kb, vb = _same_dtype(q.view(B, Hkv, H // Hkv, d), kb.transpose(1, 2), vb.transpose(1, 2))
+    o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=meta.window_decode_mask, scale=scale)  # [B, Hkv, G, d]
+    return o.to(q.dtype).reshape(B, H, d)

@@ -39,7 +39,9 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--concurrency", type=_ints, default=[1, 4, 16])
     lat.add_argument("--concurrency-prompt-tokens", type=_int_at_least(1), default=128)
     lat.add_argument("--concurrency-output-tokens", type=_int_at_least(1), default=64)
-    lat.add_argument("--compare", choices=["hf"], default=None, help="run HF transformers on the same weights too")
+    lat.add_argument("--compare", choices=["hf", "llama.cpp"], default=None,
+                     help="run a peer on the same weights too: HF transformers, or llama.cpp (llama-cpp-python, "
+                          "the optional 'bench' extra)")
     lat.add_argument("--json", default=None, help="also write the figures to this JSON file")
     add_engine_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
@@ -100,10 +102,13 @@ def cmd_bench_latency(a: argparse.Namespace) -> int:
     if a.compare == "hf" and importlib.util.find_spec("accelerate") is None:  # check before minutes of benchmarking
         raise ConfigError("--compare hf needs HF transformers' GGUF loading, which needs accelerate: "
                           "pip install -e '.[hf]'")
+    if a.compare == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
+        raise ConfigError("--compare llama.cpp needs llama-cpp-python: pip install -e '.[bench]' "
+                          "(it compiles llama.cpp from source, about 6 minutes)")
 
     llm = build_llm(a)
     rep = run_latency_bench(llm, a.contexts, a.output_tokens, a.concurrency, a.concurrency_prompt_tokens,
-                            a.concurrency_output_tokens, compare_hf=a.compare == "hf")
+                            a.concurrency_output_tokens, compare=a.compare)
     print(format_report(rep))
     if a.json:
         save_json(rep, a.json)

@@ -1,6 +1,6 @@
 """``kvserve bench latency``: batch-1 TTFT and ITL at several contexts, throughput at several
-concurrencies, each beside the plain-read roofline measured in the same run and, optionally, HF
-transformers on the same weights."""
+concurrencies, each beside the plain-read roofline measured in the same run and, optionally, a peer
+on the same weights: HF transformers (``hf``) or llama.cpp (``llama.cpp``, llama-cpp-python)."""
 from __future__ import annotations
 
 import json
@@ -23,8 +23,8 @@ class ContextResult:
     decode_bytes_per_step: float
     achieved_gb_per_s: float
     roofline_itl_ms: float
-    hf_ttft_ms: float | None = None
-    hf_itl_p50_ms: float | None = None
+    peer_ttft_ms: float | None = None
+    peer_itl_p50_ms: float | None = None
 
 
 @dataclass
@@ -43,6 +43,7 @@ class LatencyReport:
     model: str
     dtype: str
     read_gb_per_s: float
+    peer: str | None = None
     contexts: list[ContextResult] = field(default_factory=list)
     throughput: list[ThroughputResult] = field(default_factory=list)
 
@@ -78,7 +79,7 @@ def run_concurrency(llm, c: int, prompt_tokens: int, output_tokens: int) -> Thro
 
 
 def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency: list[int],
-                      conc_prompt_tokens: int, conc_output_tokens: int, compare_hf: bool) -> LatencyReport:
+                      conc_prompt_tokens: int, conc_output_tokens: int, compare: str | None = None) -> LatencyReport:
     read_bw = measure_read_bandwidth()
     eng = llm.engine
     report = LatencyReport(eng.model_name, str(eng.dtype).removeprefix("torch."), read_bw / 1e9)
@@ -87,35 +88,56 @@ def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency:
         report.contexts.append(run_context(llm, ctx, output_tokens, read_bw))
     for c in concurrency:
         report.throughput.append(run_concurrency(llm, c, conc_prompt_tokens, conc_output_tokens))
-    if compare_hf:
-        _add_hf(llm, report, output_tokens)
+    if compare:
+        _add_peer(llm, report, output_tokens, compare)
     return report
 
 
-def _add_hf(llm, report: LatencyReport, output_tokens: int) -> None:
-    from kvserve.bench.hf_peer import hf_latency, load_hf_peer
+def _add_peer(llm, report: LatencyReport, output_tokens: int, peer: str) -> None:
+    """The same prompts through the peer, after the engine's runs (never concurrently with them);
+    llama.cpp in its own process (see :func:`kvserve.bench.llamacpp_peer.run_llamacpp_in_subprocess`)."""
+    import torch
+
     from kvserve.models.catalog import resolve_model
 
     eng = llm.engine
-    model = load_hf_peer(resolve_model(eng.config.model, eng.config.load_format), eng.dtype)
-    hf_latency(model, random_prompt(16, eng.vocab_size, 0), 4)  # warm-up
+    source = resolve_model(eng.config.model, eng.config.load_format)
+    report.peer = peer
+    if peer == "llama.cpp":
+        from kvserve.bench.llamacpp_peer import run_llamacpp_in_subprocess
+        results = run_llamacpp_in_subprocess(source, [r.context_tokens for r in report.contexts], output_tokens,
+                                             eng.vocab_size, torch.get_num_threads())
+    else:
+        from kvserve.bench.hf_peer import hf_latency, load_hf_peer
+        model = load_hf_peer(source, eng.dtype)
+        hf_latency(model, random_prompt(16, eng.vocab_size, 0), 4)  # warm-up
+        results = {r.context_tokens: hf_latency(model, random_prompt(r.context_tokens, eng.vocab_size,
+                                                                     seed=r.context_tokens), output_tokens)
+                   for r in report.contexts}
     for r in report.contexts:
-        res = hf_latency(model, random_prompt(r.context_tokens, eng.vocab_size, seed=r.context_tokens), output_tokens)
-        r.hf_ttft_ms, r.hf_itl_p50_ms = res["ttft_ms"], percentile(res["itl_ms"], 50)
+        res = results[r.context_tokens]
+        r.peer_ttft_ms, r.peer_itl_p50_ms = res["ttft_ms"], percentile(res["itl_ms"], 50)
 
 
 def format_report(rep: LatencyReport) -> str:
+    peer = rep.peer or ""
     lines = [f"kvserve bench latency — {rep.model} ({rep.dtype}); plain read bandwidth {rep.read_gb_per_s:.1f} GB/s",
-             "", "batch 1:",
+             "", "batch 1" + (f" (ratios: kvserve ÷ {peer}, < 1 = kvserve faster)" if _has_peer(rep) else "") + ":",
              f"{'context':>8} {'TTFT ms':>9} {'ITL p50':>8} {'ITL p90':>8} {'MB/step':>8} {'GB/s':>6} {'% read':>7} "
-             f"{'roofline ITL':>12}" + (f" {'HF TTFT':>9} {'HF ITL':>8} {'ITL ratio':>9}" if _has_hf(rep) else "")]
+             f"{'roofline ITL':>12}" + (f" {peer + ' TTFT':>14} {'ratio':>6} {peer + ' ITL':>13} {'ratio':>6}"
+                                       if _has_peer(rep) else "")]
     for r in rep.contexts:
         line = (f"{r.context_tokens:>8} {r.ttft_ms:>9.1f} {r.itl_p50_ms:>8.2f} {r.itl_p90_ms:>8.2f} "
                 f"{r.decode_bytes_per_step / 1e6:>8.1f} {r.achieved_gb_per_s:>6.1f} "
                 f"{100 * r.achieved_gb_per_s / rep.read_gb_per_s:>6.0f}% {r.roofline_itl_ms:>10.2f} ms")
-        if r.hf_itl_p50_ms is not None:
-            line += f" {r.hf_ttft_ms:>9.1f} {r.hf_itl_p50_ms:>8.2f} {r.itl_p50_ms / r.hf_itl_p50_ms:>8.2f}x"
+        if r.peer_itl_p50_ms is not None:
+            line += (f" {r.peer_ttft_ms:>14.1f} {r.ttft_ms / r.peer_ttft_ms:>5.2f}x {r.peer_itl_p50_ms:>13.2f} "
+                     f"{r.itl_p50_ms / r.peer_itl_p50_ms:>5.2f}x")
         lines.append(line)
+    slope = kv_slope_gb_per_s(rep)
+    if slope is not None:
+        lines.append(f"  ITL slope over context: {slope:.1f} GB/s of extra KV bytes per extra ms "
+                     f"(plain read {rep.read_gb_per_s:.1f} GB/s; equal = attention time grows with KV bytes ÷ bandwidth)")
     if rep.throughput:
         lines += ["", "concurrency (greedy, ignore_eos):",
                   f"{'requests':>8} {'prompt':>7} {'output':>7} {'wall s':>7} {'out tok/s':>10} {'vs batch 1':>10} "
@@ -128,8 +150,18 @@ def format_report(rep: LatencyReport) -> str:
     return "\n".join(lines)
 
 
-def _has_hf(rep: LatencyReport) -> bool:
-    return any(r.hf_itl_p50_ms is not None for r in rep.contexts)
+def kv_slope_gb_per_s(rep: LatencyReport) -> float | None:
+    """Extra bytes per step ÷ extra ITL between the shortest and longest context (GB/s): the rate at
+    which decode reads the added KV cache. None with fewer than two contexts or no ITL growth."""
+    if len(rep.contexts) < 2:
+        return None
+    lo, hi = min(rep.contexts, key=lambda r: r.context_tokens), max(rep.contexts, key=lambda r: r.context_tokens)
+    dt = (hi.itl_p50_ms - lo.itl_p50_ms) / 1e3
+    return (hi.decode_bytes_per_step - lo.decode_bytes_per_step) / dt / 1e9 if dt > 0 else None
+
+
+def _has_peer(rep: LatencyReport) -> bool:
+    return any(r.peer_itl_p50_ms is not None for r in rep.contexts)
 
 
 def save_json(rep: LatencyReport, path: str) -> None:

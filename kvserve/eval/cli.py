@@ -19,6 +19,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--compare-kv-dtype", default=None,
                    choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"],
                    help="also score with this KV dtype and report teacher-forced mean/max |Δ logprob|")
+    p.add_argument("--compare-weight-dtype", default=None, choices=["auto", "float32", "bfloat16", "int8", "int4"],
+                   help="also score with the matrices stored this way (e.g. float32 against --weight-dtype int4)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     add_engine_args(p)
     p.set_defaults(func=cmd_eval_ppl, max_num_batched_tokens=256)
@@ -34,15 +36,18 @@ def cmd_eval_ppl(a: argparse.Namespace) -> int:
     a.max_model_len = max(a.max_model_len, a.context + 1)
     llm = build_llm(a)
     ids = windows(llm.tokenizer.encode(corpus_text(), add_special_tokens=False), a.context, a.num_windows)
-    result = perplexity(llm, a.kv_cache_dtype, ids)
+    result = perplexity(llm, a.kv_cache_dtype, ids, a.weight_dtype)
     report: dict = {"test": _summary(result)}
-    if a.compare_kv_dtype is None:
+    if a.compare_kv_dtype is None and a.compare_weight_dtype is None:
         print(format_result(result))
     else:
         del llm
         gc.collect()
-        a.kv_cache_dtype = a.compare_kv_dtype
-        ref = perplexity(build_llm(a, progress=False), a.compare_kv_dtype, ids)
+        a.kv_cache_dtype = a.compare_kv_dtype or a.kv_cache_dtype
+        a.weight_dtype = a.compare_weight_dtype or a.weight_dtype
+        if a.weight_dtype in ("float32", "bfloat16"):
+            a.dtype = a.weight_dtype  # float weights are multiplied in their own dtype
+        ref = perplexity(build_llm(a, progress=False), a.kv_cache_dtype, ids, a.weight_dtype)
         c = compare(result, ref)
         print(format_comparison(c))
         report.update(reference=_summary(ref), mean_abs_delta=c.mean_abs_delta, p99_abs_delta=c.p99_abs_delta,
@@ -54,5 +59,5 @@ def cmd_eval_ppl(a: argparse.Namespace) -> int:
 
 
 def _summary(r) -> dict:
-    return {"kv_cache_dtype": r.kv_cache_dtype, "ppl": r.ppl, "context": r.context, "num_windows": r.num_windows,
+    return {"kv_cache_dtype": r.kv_cache_dtype, "weight_dtype": r.weight_dtype, "ppl": r.ppl, "context": r.context, "num_windows": r.num_windows,
             "num_scored_tokens": r.num_scored_tokens}

@@ -42,6 +42,7 @@ class PPLResult:
     num_scored_tokens: int
     ppl: float
     logprobs: list[list[float]] = field(default_factory=list, repr=False)  # per window, positions 1..context-1
+    weight_dtype: str = ""  # how the matrices were stored (auto|float32|bfloat16|int8|int4), "" = not stated
 
 
 def window_logprobs(llm, ids: list[list[int]]) -> list[list[float]]:
@@ -61,10 +62,11 @@ def _logprob_of(entry, token_id: int) -> float:
     return entry.logprob
 
 
-def perplexity(llm, kv_cache_dtype: str, ids: list[list[int]]) -> PPLResult:
+def perplexity(llm, kv_cache_dtype: str, ids: list[list[int]], weight_dtype: str = "") -> PPLResult:
     lps = window_logprobs(llm, ids)
     flat = [x for w in lps for x in w]
-    return PPLResult(kv_cache_dtype, len(ids[0]), len(ids), len(flat), math.exp(-sum(flat) / len(flat)), lps)
+    return PPLResult(kv_cache_dtype, len(ids[0]), len(ids), len(flat), math.exp(-sum(flat) / len(flat)), lps,
+                     weight_dtype)
 
 
 @dataclass
@@ -85,12 +87,18 @@ def compare(test: PPLResult, reference: PPLResult) -> Comparison:
 
 
 def format_result(r: PPLResult) -> str:
-    return (f"kv_cache_dtype={r.kv_cache_dtype}: perplexity {r.ppl:.4f} over {r.num_scored_tokens} tokens "
+    weights = f"weight_dtype={r.weight_dtype} " if r.weight_dtype else ""
+    return (f"{weights}kv_cache_dtype={r.kv_cache_dtype}: perplexity {r.ppl:.4f} over {r.num_scored_tokens} tokens "
             f"({r.num_windows} windows x {r.context} context)")
 
 
 def format_comparison(c: Comparison) -> str:
     return (f"{format_result(c.test)}\n{format_result(c.reference)}\n"
-            f"teacher-forced |Δ logprob| ({c.test.kv_cache_dtype} vs {c.reference.kv_cache_dtype}): "
+            f"teacher-forced |Δ logprob| ({_label(c.test, c.reference)} vs {_label(c.reference, c.test)}): "
             f"mean {c.mean_abs_delta:.5f}, p99 {c.p99_abs_delta:.5f}, max {c.max_abs_delta:.5f}; "
             f"Δppl {c.test.ppl - c.reference.ppl:+.4f} ({(c.test.ppl / c.reference.ppl - 1) * 100:+.3f}%)")
+
+
+def _label(r: PPLResult, other: PPLResult) -> str:
+    """The KV dtype, and the weight dtype when the two runs differ in it."""
+    return r.kv_cache_dtype + (f" KV, {r.weight_dtype} weights" if r.weight_dtype != other.weight_dtype else "")

@@ -1,0 +1,76 @@
+"""llama.cpp (through llama-cpp-python, the optional ``bench`` extra) as a same-run peer on the same
+GGUF file: its own quantized kernels and f16 KV cache, greedy decode, each token timed."""
+from __future__ import annotations
+
+import time
+
+from kvserve.config import ConfigError
+from kvserve.models.catalog import ModelSource
+
+
+def load_llamacpp_peer(source: ModelSource, n_ctx: int, n_threads: int):
+    """``llama_cpp.Llama`` on ``source``'s GGUF file with a context of ``n_ctx`` tokens. ConfigError when
+    llama-cpp-python is not installed (``pip install -e '.[bench]'`` compiles it, ~6 min) or the model
+    is not a GGUF file."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as e:
+        raise ConfigError("--compare llama.cpp needs llama-cpp-python: pip install -e '.[bench]' "
+                          "(it compiles llama.cpp from source, about 6 minutes)") from e
+    if source.kind != "gguf":
+        raise ConfigError("--compare llama.cpp needs a GGUF model file, got a "
+                          f"{source.kind} model ({source.name})")
+    return Llama(model_path=source.path, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                 n_batch=512, verbose=False)
+
+
+def llamacpp_latency(llm, prompt_ids: list[int], output_tokens: int) -> dict:
+    """Batch-1 greedy decode of ``output_tokens`` after ``prompt_ids`` from an empty cache (EOS not
+    checked). Returns TTFT (prefill + first token, ms) and the gaps between later tokens (ms)."""
+    llm.reset()
+    times = []
+    t0 = time.perf_counter()
+    for _ in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        times.append(time.perf_counter())
+        if len(times) == output_tokens:
+            break
+    return {"ttft_ms": (times[0] - t0) * 1e3, "itl_ms": [(b - a) * 1e3 for a, b in zip(times, times[1:])]}
+
+
+def run_llamacpp_in_subprocess(source: ModelSource, contexts: list[int], output_tokens: int, vocab_size: int,
+                               n_threads: int) -> dict[int, dict]:
+    """Run :func:`llamacpp_latency` for each context in a fresh Python process, so llama.cpp's OpenMP
+    thread pool never shares the cores with torch's (two runtimes in one process slowed both here).
+    Returns {context: {"ttft_ms", "itl_ms"}}. ConfigError if the peer cannot run."""
+    import json
+    import subprocess
+    import sys
+
+    if source.kind != "gguf":
+        raise ConfigError(f"--compare llama.cpp needs a GGUF model file, got a {source.kind} model ({source.name})")
+    args = [sys.executable, "-m", "kvserve.bench.llamacpp_peer", source.path, str(output_tokens), str(vocab_size),
+            str(n_threads), *map(str, contexts)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise ConfigError(f"llama.cpp peer failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+    return {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
+def _main(argv: list[str]) -> None:
+    """``python -m kvserve.bench.llamacpp_peer GGUF OUTPUT_TOKENS VOCAB THREADS CTX...``: one JSON line."""
+    import json
+
+    from kvserve.bench.latency import random_prompt
+
+    path, output_tokens, vocab, threads, *contexts = argv
+    ctxs = [int(c) for c in contexts]
+    llm = load_llamacpp_peer(ModelSource("gguf", path, path), max(ctxs) + int(output_tokens) + 16, int(threads))
+    llamacpp_latency(llm, random_prompt(16, int(vocab), 0), 4)  # warm-up
+    out = {c: llamacpp_latency(llm, random_prompt(c, int(vocab), seed=c), int(output_tokens)) for c in ctxs}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _main(sys.argv[1:])
