@@ -279,3 +279,16 @@ def test_explain_on_smollm2_agrees_on_bytes():
     for r in rows:
         assert abs(r.planner_bytes_per_step - r.engine_bytes_per_step) / r.engine_bytes_per_step < 1e-3, r
         assert r.predicted_itl_ms > 0 and r.measured_itl_ms > 0
+
+
+def test_model_gemv_rate_counts_every_matrix_once(monkeypatch):
+    """The rate is (bytes of every Linear + the tied LM head) / time of one pass over them."""
+    from kvserve.planner import probe as pr
+    from tests.conftest import tiny_llm
+
+    llm = tiny_llm()
+    model = llm.engine.model
+    expected = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    expected += model.embed_tokens.weight.numel() * 4 if model.lm_head is None else 0
+    monkeypatch.setattr(pr, "_best_time", lambda fn, repeats: (fn(), 0.5)[1])
+    assert pr.measure_model_gemv(model) == expected / 0.5

@@ -134,6 +134,8 @@ def cmd_explain(a: argparse.Namespace) -> int:
     # dense weights in the probed dtype: the probe measures float GEMVs, not the packed int4/int8 kernels
     llm = LLM(a.model, dtype=a.dtype, weight_dtype=a.dtype, max_model_len=max(a.contexts) + a.output_tokens + 16,
               progress=False)
+    from kvserve.planner.probe import measure_model_gemv
+    probe.gemv_bytes_per_s[a.dtype] = measure_model_gemv(llm.engine.model)  # this model's own matrix shapes
     rows = run_explain(llm, probe, a.contexts, a.output_tokens)
     print(format_explain(rows, probe, llm.engine.model_name))
     if a.plot:

@@ -76,6 +76,24 @@ def measure_gemv(dtype: torch.dtype, total_bytes: int = 512 << 20, rows: int = 2
     return sum(w.numel() * w.element_size() for w in mats) / _best_time(run, repeats)
 
 
+def measure_model_gemv(model: torch.nn.Module, repeats: int = 5) -> float:
+    """Bytes/s of y = W x over a model's own matrices (every nn.Linear and the LM head, in layer
+    order, as a decode step reads them) with a one-row x. Small matrices (SmolLM2's are 576 wide)
+    stream slower than the large square ones of :func:`measure_gemv`; ``kvserve explain`` uses this
+    rate for the model it explains."""
+    mats = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if getattr(model, "lm_head", None) is None and hasattr(model, "embed_tokens"):
+        mats.append(model.embed_tokens.weight)  # tied LM head
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]).to(w.dtype) for w in mats}
+
+    @torch.inference_mode()
+    def run():
+        for w in mats:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+
+    return sum(w.numel() * w.element_size() for w in mats) / _best_time(run, repeats)
+
+
 def measure_matmul(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
     """FLOP/s of an [n, n] × [n, n] GEMM: 2n³ FLOPs."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
