@@ -358,6 +358,8 @@ class EngineConfig:
             raise ConfigError(f"model must be a non-empty string (name or path), got {self.model!r}")
         parse_dtype(self.dtype)
         _validate_weight_dtype(self.weight_dtype, self.dtype)
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"compile must be true or false, got {self.compile!r}")
         _require_int("seed", self.seed)
         if not -2**63 <= self.seed < 2**63:
             raise ConfigError(f"seed must be in [-2**63, 2**63), got {self.seed}")

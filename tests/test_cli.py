@@ -66,9 +66,19 @@ def test_bench_compare_llamacpp_without_the_extra_is_a_clear_error(monkeypatch, 
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
-    rc = main(["bench", "latency", *TINY, "--contexts", "32", "--compare", "llama.cpp"])
+    rc = main(["bench", "latency", "--model", "smollm2-135m", "--contexts", "32", "--compare", "llama.cpp"])
     err = capsys.readouterr().err
     assert rc != 0 and "llama-cpp-python" in err and "pip install -e '.[bench]'" in err
+
+
+@pytest.mark.parametrize("peer", ["hf", "llama.cpp"])
+def test_bench_compare_on_dummy_weights_fails_before_benchmarking(peer, capsys, monkeypatch):
+    from kvserve.bench import latency
+    from kvserve.cli import main
+
+    monkeypatch.setattr(latency, "run_latency_bench", lambda *a, **k: pytest.fail("benchmark ran"))
+    rc = main(["bench", "latency", *TINY, "--contexts", "32", "--compare", peer])
+    assert rc != 0 and f"--compare {peer} needs real weights" in capsys.readouterr().err
 
 
 def test_bench_peer_columns_are_ratios_of_the_same_run():

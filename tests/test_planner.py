@@ -292,3 +292,25 @@ def test_model_gemv_rate_counts_every_matrix_once(monkeypatch):
     expected += model.embed_tokens.weight.numel() * 4 if model.lm_head is None else 0
     monkeypatch.setattr(pr, "_best_time", lambda fn, repeats: (fn(), 0.5)[1])
     assert pr.measure_model_gemv(model) == expected / 0.5
+
+
+def test_engine_overhead_probe_keeps_the_explained_models_head_shapes(monkeypatch):
+    """``like=``: the overhead models have the explained model's heads and head_dim, width 64 otherwise."""
+    import kvserve.llm
+    from kvserve.models.catalog import DUMMY_PRESETS
+    from kvserve.planner import probe as pr
+
+    seen = []
+    real = kvserve.llm.LLM
+
+    def spy(*a, dummy_config=None, **k):
+        seen.append(dummy_config)
+        return real(*a, dummy_config=dummy_config, **k)
+
+    monkeypatch.setattr(kvserve.llm, "LLM", spy)
+    like = DUMMY_PRESETS["smollm2-135m"]
+    const, per_layer = pr.measure_engine_overhead("float32", layer_counts=(1, 2), steps=3, like=like)
+    assert [c.num_layers for c in seen] == [1, 2] and const >= 0 and per_layer >= 0
+    for c in seen:
+        assert (c.num_heads, c.num_kv_heads, c.head_dim) == (like.num_heads, like.num_kv_heads, like.head_dim)
+        assert c.hidden_size == 64 and c.vocab_size == 1024

@@ -24,6 +24,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-err
 CODES = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "float32": 3, "bfloat16": 4}
 
 
+@torch.compiler.disable  # file checks and ctypes: never traced
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None (no compiler, build failure, or KVSERVE_NO_KV_KERNEL=1)."""

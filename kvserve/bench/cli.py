@@ -92,6 +92,15 @@ def _add_serve_parser(bsub) -> None:
     s.set_defaults(func=cmd_bench_serve)
 
 
+def _is_dummy(model: str, load_format: str) -> bool:
+    from kvserve.models.catalog import resolve_model
+
+    try:
+        return resolve_model(model, load_format).kind == "dummy"
+    except ValueError:  # unreadable model: building the engine reports it
+        return False
+
+
 def cmd_bench_latency(a: argparse.Namespace) -> int:
     import importlib.util
 
@@ -102,6 +111,9 @@ def cmd_bench_latency(a: argparse.Namespace) -> int:
     if a.compare == "hf" and importlib.util.find_spec("accelerate") is None:  # check before minutes of benchmarking
         raise ConfigError("--compare hf needs HF transformers' GGUF loading, which needs accelerate: "
                           "pip install -e '.[hf]'")
+    if a.compare and (a.load_format == "dummy" or _is_dummy(a.model, a.load_format)):
+        raise ConfigError(f"--compare {a.compare} needs real weights (a GGUF file or HF directory, "
+                          f"llama.cpp: a GGUF file), not the dummy model {a.model!r}")
     if a.compare == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
         raise ConfigError("--compare llama.cpp needs llama-cpp-python: pip install -e '.[bench]' "
                           "(it compiles llama.cpp from source, about 6 minutes)")

@@ -12,7 +12,7 @@ from kvserve.models.catalog import ModelSource
 
 def load_hf_peer(source: ModelSource, dtype: torch.dtype):
     """AutoModelForCausalLM for a GGUF file or HF directory. ImportError if transformers/accelerate
-    are missing; ValueError for dummy models (HF has no weights for them)."""
+    are missing; ConfigError for dummy models (HF has no weights for them)."""
     from transformers import AutoModelForCausalLM
 
     if source.kind == "gguf":
@@ -20,7 +20,9 @@ def load_hf_peer(source: ModelSource, dtype: torch.dtype):
                                                     gguf_file=os.path.basename(source.path), dtype=dtype).eval()
     if source.kind == "safetensors":
         return AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).eval()
-    raise ValueError("--compare hf needs real weights (a GGUF file or HF directory), not a dummy model")
+    from kvserve.config import ConfigError
+
+    raise ConfigError("--compare hf needs real weights (a GGUF file or HF directory), not a dummy model")
 
 
 class _TokenClock:

@@ -45,6 +45,9 @@ def add_planner_parsers(sub) -> None:
     e.add_argument("--contexts", type=_ints, default=[128, 1024, 4096])
     e.add_argument("--output-tokens", type=int, default=32)
     e.add_argument("--probe", action="store_true", help="re-run `kvserve probe` first (same sitting)")
+    e.add_argument("--probe-overhead-generic", action="store_true",
+                   help="use the saved probe's per-layer overhead (width-64 tiny model) instead of re-measuring it "
+                        "at this model's head shapes")
     e.add_argument("--plot", default="explain-itl.png", help="PNG of ITL vs context ('' = none)")
     e.add_argument("--json", default=None, help="also write the rows to this JSON file")
     e.set_defaults(func=cmd_explain)
@@ -134,8 +137,10 @@ def cmd_explain(a: argparse.Namespace) -> int:
     # dense weights in the probed dtype: the probe measures float GEMVs, not the packed int4/int8 kernels
     llm = LLM(a.model, dtype=a.dtype, weight_dtype=a.dtype, max_model_len=max(a.contexts) + a.output_tokens + 16,
               progress=False)
-    from kvserve.planner.probe import measure_model_gemv
+    from kvserve.planner.probe import measure_engine_overhead, measure_model_gemv
     probe.gemv_bytes_per_s[a.dtype] = measure_model_gemv(llm.engine.model)  # this model's own matrix shapes
+    if not a.probe_overhead_generic:  # per-layer overhead at this model's head shapes
+        probe.step_overhead_s, probe.overhead_per_layer_s = measure_engine_overhead(a.dtype, like=llm.engine.model_config)
     rows = run_explain(llm, probe, a.contexts, a.output_tokens)
     print(format_explain(rows, probe, llm.engine.model_name))
     if a.plot:

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvserve.config import ConfigError
+from kvserve.config import ConfigError, ModelConfig
 from kvserve.planner.hardware import Efficiency, Hardware
 
 
@@ -127,16 +127,22 @@ def measure_kv_read(dtype: torch.dtype, num_layers: int = 30, num_kv_heads: int 
     return (contexts[1] - contexts[0]) * per_token / max(times[1] - times[0], 1e-9)
 
 
-def measure_engine_overhead(dtype: str, layer_counts: tuple[int, int] = (2, 30), steps: int = 24) -> tuple[float, float]:
+def measure_engine_overhead(dtype: str, layer_counts: tuple[int, int] = (2, 30), steps: int = 24,
+                            like: ModelConfig | None = None) -> tuple[float, float]:
     """(constant s per step, s per layer) of the engine's decode step on models of width 64 (bytes and
-    FLOPs negligible), from the median ITL at two layer counts."""
+    FLOPs negligible), from the median ITL at two layer counts. ``like``: keep that model's attention
+    shape (heads, KV heads, head_dim) and only shrink hidden/intermediate/vocab, so the per-layer ops
+    (RoPE, cache writes, attention, norms) run at the explained model's head shapes."""
     from kvserve.llm import LLM
     from kvserve.models.catalog import DUMMY_PRESETS
     from kvserve.sampling_params import SamplingParams
 
     itl = []
     for n in layer_counts:
-        cfg = DUMMY_PRESETS["tiny-llama"].replace(num_layers=n, name=f"overhead-probe-{n}")
+        base = DUMMY_PRESETS["tiny-llama"] if like is None else like.replace(
+            hidden_size=64, intermediate_size=64, vocab_size=1024, tie_word_embeddings=True,
+            max_position_embeddings=max(like.max_position_embeddings, 512))
+        cfg = base.replace(num_layers=n, name=f"overhead-probe-{n}")
         llm = LLM("tiny-llama", load_format="dummy", dtype=dtype, dummy_config=cfg, progress=False,
                   kv_cache_memory="64MiB", max_model_len=512)
         sp = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
