@@ -11,6 +11,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvserve.models.quant import PackedLinear
+
 
 @runtime_checkable
 class HasRoutedExperts(Protocol):
@@ -65,7 +67,7 @@ def weight_bytes_of(model: torch.nn.Module) -> tuple[int, int]:
     The token-embedding table is read only row by row unless it is also the LM head (tied). Packed
     int4/int8 layers (kvserve/models/quant.py) count their codes and scales (``weight_nbytes``)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    total += sum(m.weight_nbytes for m in model.modules() if hasattr(m, "weight_nbytes"))  # packed int4/int8
+    total += sum(m.weight_nbytes for m in model.modules() if isinstance(m, PackedLinear))  # packed int4/int8
     emb = model.embed_tokens.weight
     row = emb.shape[1] * emb.element_size()
     if getattr(model, "lm_head", None) is not None:  # untied: the table itself is not streamed

@@ -88,13 +88,39 @@ def quantize_int4_minmax(w: torch.Tensor, group_size: int = GROUP_SIZE) -> Block
     return BlockQuant(codes.reshape(n, k).numpy(), scale.numpy(), lo.numpy())
 
 
-class Int4Linear(nn.Module):
-    """``y = x·Wᵀ + b`` with W as 4-bit codes and a bfloat16 (scale, zero) per group of 32 inputs.
+class PackedLinear(nn.Module):
+    """``y = x·Wᵀ + b`` with W packed; subclasses give the kernel (``_packed_mm``), ``dequantize`` and
+    ``weight_nbytes``. x: [..., in_features] any float dtype → y: [..., out_features] in x's dtype.
+    Steps of ≥ ``DENSE_MIN_TOKENS`` rows multiply with ``dense``, a bfloat16 copy of ``dequantize()``."""
 
-    x: [..., in_features] any float dtype → y: [..., out_features] in x's dtype. Memory per weight:
-    0.5 byte + 4 bytes per 32 (0.625 B), plus a bfloat16 copy for steps of ≥ ``DENSE_MIN_TOKENS``
-    tokens (``dense_prefill``). Kernel: ``torch._weight_int4pack_mm_for_cpu``.
-    """
+    in_features: int
+    out_features: int
+
+    def _finish(self, bias: torch.Tensor | None, dense_prefill: bool) -> None:
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        dense = self.dequantize().to(KERNEL_DTYPE) if dense_prefill else None  # [N, K] for prefill
+        self.register_buffer("dense", dense, persistent=False)
+
+    def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # [T, K]
+        y = F.linear(x2, self.dense) if self.dense is not None and x2.shape[0] >= DENSE_MIN_TOKENS else self._packed_mm(x2)
+        y = y.to(x.dtype) if self.bias is None else y.to(x.dtype) + self.bias
+        return y.view(*lead, self.out_features)  # [..., N]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int4Linear(PackedLinear):
+    """W as 4-bit codes and a bfloat16 (scale, zero) per group of 32 inputs: 0.5 byte + 4 bytes per 32
+    (0.625 B per weight). Kernel: ``torch._weight_int4pack_mm_for_cpu``."""
 
     def __init__(self, block: BlockQuant, bias: torch.Tensor | None = None, dense_prefill: bool = True):
         super().__init__()
@@ -106,8 +132,7 @@ class Int4Linear(nn.Module):
         zeros = lo + 8 * scale  # the kernel dequantizes (q − 8)·scale + zero
         self.register_buffer("scale_zeros", torch.stack([scale, zeros], -1).transpose(0, 1)
                              .contiguous().to(KERNEL_DTYPE))  # [K/32, N, 2]
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.dense = self.dequantize().to(KERNEL_DTYPE) if dense_prefill else None  # [N, K] for prefill
+        self._finish(bias, dense_prefill)
 
     @property
     def weight_nbytes(self) -> int:
@@ -119,24 +144,13 @@ class Int4Linear(nn.Module):
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scale_zeros).float().T
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # [T, K]
-        if self.dense is not None and x2.shape[0] >= DENSE_MIN_TOKENS:
-            y = F.linear(x2, self.dense)
-        else:
-            y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_zeros)
-        y = y.to(x.dtype) if self.bias is None else y.to(x.dtype) + self.bias
-        return y.view(*lead, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+    def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_zeros)
 
 
-class Int8Linear(nn.Module):
-    """``y = x·Wᵀ + b`` with W as int8 codes and one bfloat16 scale per output row:
-    ``W[n] = q[n]·s[n]``, ``s[n] = max|W[n]| / 127``. x: [..., in] → [..., out] in x's dtype.
-    Kernel: ``torch._weight_int8pack_mm``; steps of ≥ ``DENSE_MIN_TOKENS`` tokens use a bf16 copy."""
+class Int8Linear(PackedLinear):
+    """W as int8 codes and one bfloat16 scale per output row: ``W[n] = q[n]·s[n]``,
+    ``s[n] = max|W[n]| / 127``. Kernel: ``torch._weight_int8pack_mm``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dense_prefill: bool = True):
         super().__init__()
@@ -145,8 +159,7 @@ class Int8Linear(nn.Module):
         scale = (w.abs().amax(1) / 127).clamp_min(1e-12)  # [N]
         self.register_buffer("qweight", (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8))
         self.register_buffer("scales", scale.to(KERNEL_DTYPE))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.dense = self.dequantize().to(KERNEL_DTYPE) if dense_prefill else None  # [N, K] for prefill
+        self._finish(bias, dense_prefill)
 
     @property
     def weight_nbytes(self) -> int:
@@ -155,21 +168,8 @@ class Int8Linear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float()[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # [T, K]
-        if self.dense is not None and x2.shape[0] >= DENSE_MIN_TOKENS:
-            y = F.linear(x2, self.dense)
-        else:
-            y = torch._weight_int8pack_mm(x2, self.qweight, self.scales)
-        y = y.to(x.dtype) if self.bias is None else y.to(x.dtype) + self.bias
-        return y.view(*lead, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
-
-
-QUANTIZED_LINEARS = (Int4Linear, Int8Linear)
+    def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x2, self.qweight, self.scales)
 
 
 def reference_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
