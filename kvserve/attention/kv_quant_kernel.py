@@ -1,4 +1,6 @@
-"""Loads the fused dequantize-and-attend C kernel (``kv_quant_kernel.c``), compiled on first use.
+"""Loads the C kernels, compiled on first use into one library: the fused dequantize-and-attend
+decode kernel (``kv_quant_kernel.c``) and the per-layer glue of a step (``layer_kernel.c``, used by
+:mod:`kvserve.models.fused_ops`).
 
 Built with the system C compiler (``cc -O3 -march=native -fopenmp``) into ``~/.cache/kvserve`` under a
 name that hashes the source and flags, and called through ctypes on tensors' data pointers. Returns
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-_SRC = Path(__file__).with_name("kv_quant_kernel.c")
+_SRCS = [Path(__file__).with_name(n) for n in ("kv_quant_kernel.c", "layer_kernel.c")]
 # no -ffast-math: with GCC < 13 it would set flush-to-zero for the whole process when the library loads
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
           "-fno-signed-zeros", "-fassociative-math"]
@@ -28,9 +30,9 @@ CODES = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "float32": 3, "bfloat16": 4}
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None (no compiler, build failure, or KVSERVE_NO_KV_KERNEL=1)."""
-    if os.environ.get("KVSERVE_NO_KV_KERNEL") or not _SRC.exists():
+    if os.environ.get("KVSERVE_NO_KV_KERNEL") or not all(p.exists() for p in _SRCS):
         return None
-    src = _SRC.read_bytes()
+    src = b"".join(p.read_bytes() for p in _SRCS)
     tag = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
     lib = cache / f"kv_quant_kernel_{tag}.so"
@@ -39,7 +41,7 @@ def load() -> ctypes.CDLL | None:
             cache.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
-            subprocess.run([os.environ.get("CC", "cc"), *_FLAGS, str(_SRC), "-o", tmp, "-lm"], check=True,
+            subprocess.run([os.environ.get("CC", "cc"), *_FLAGS, *map(str, _SRCS), "-o", tmp, "-lm"], check=True,
                            capture_output=True, timeout=120)
             os.replace(tmp, lib)  # atomic: concurrent processes never load a half-written file
         except (OSError, subprocess.SubprocessError):
@@ -50,6 +52,12 @@ def load() -> ctypes.CDLL | None:
     dll.kvq_decode_attention.restype = None
     dll.kvq_dequantize.argtypes = [p, p, p, i64, i32, i32, i32]
     dll.kvq_dequantize.restype = None
+    dll.kvs_rope_write_kv.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, i32]
+    dll.kvs_add_rms_norm.argtypes = [p, p, p, i32, f32, p, i64, i32, i32, i32]
+    dll.kvs_silu_mul.argtypes = [p, p, i64, i32, i32, i32]
+    dll.kvs_decode_attention.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, i32, i32]
+    for f in (dll.kvs_rope_write_kv, dll.kvs_add_rms_norm, dll.kvs_silu_mul, dll.kvs_decode_attention):
+        f.restype = None
     return dll
 
 
@@ -87,6 +95,25 @@ def float_decode_attention(dll: ctypes.CDLL, q: torch.Tensor, key_cache: torch.T
                              block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
                              B, H, Hkv, d, bs, scale, CODES[kind], torch.get_num_threads())
     return out
+
+
+@torch.compiler.disable
+def act_decode_attention(dll: ctypes.CDLL, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`float_decode_attention` on a float32 or bfloat16 q [B, H, d], returning [B, H, d] in q's
+    dtype: the same float32 computation, with the casts done inside the kernel call."""
+    B, H, d = q.shape
+    _, bs, Hkv, _ = key_cache.shape
+    assert H // Hkv <= 64 and key_cache.is_contiguous() and value_cache.is_contiguous()
+    q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
+    out = torch.empty_like(q)
+    dll.kvs_decode_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+                             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), B, H, Hkv, d, bs, scale,
+                             CODES[_KINDS[key_cache.dtype]], CODES[_KINDS[q.dtype]], torch.get_num_threads())
+    return out
+
+
+_KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 @torch.compiler.disable

@@ -42,8 +42,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache
         return sliding_window_attention(q, k, v, key_cache, value_cache, meta, scale)
     if isinstance(key_cache, QuantizedKVCache):
         return quantized_paged_attention(q, key_cache, value_cache, meta, scale)
-    out = torch.empty_like(q)
     nd = meta.num_decodes
+    if nd == meta.num_seqs:  # decode-only step
+        return _decode(q, key_cache, value_cache, meta, scale)
+    out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode(q[:nd], key_cache, value_cache, meta, scale)
     for s in range(nd, meta.num_seqs):
@@ -97,6 +99,9 @@ def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     to the exact length (no mask); several are padded to the longest with ``meta.decode_mask``."""
     B, H, d = q.shape
     dll = kv_quant_kernel.load() if q.device.type == "cpu" and key_cache.dtype in _KERNEL_DTYPES else None
+    if dll is not None and q.dtype in _KERNEL_DTYPES:
+        return kv_quant_kernel.act_decode_attention(dll, q, key_cache, value_cache, meta.block_tables[:B],
+                                                    meta.seq_lens[:B], scale)
     if dll is not None:
         return kv_quant_kernel.float_decode_attention(dll, q.float(), key_cache, value_cache, meta.block_tables[:B],
                                                       meta.seq_lens[:B], scale).to(q.dtype)

@@ -12,24 +12,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.attention import AttentionMetadata, paged_attention, write_kv
+from kvserve.attention import AttentionMetadata, paged_attention
 from kvserve.config import ModelConfig
-from kvserve.models.rope import RotaryEmbedding, apply_rope
+from kvserve.models.fused_ops import rms_norm, rms_norm_reference, rope_write_kv, silu_mul
+from kvserve.models.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, Hkv, d], same)
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [num_tokens, 1, head_dim // 2]
+Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # positions [T] int64; cos, sin tables [max_pos, head_dim // 2]
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019), computed in float32."""
+    """y = x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019), computed in float32.
+
+    ``norm(x)`` returns y; ``norm(x, residual)`` returns ``(norm(x + residual), x + residual)``, the
+    residual add fused in (:func:`kvserve.models.fused_ops.rms_norm`)."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None and x.dim() != 2:
+            return rms_norm_reference(x, self.weight, self.eps)
+        out, stream = rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, stream)
 
 
 class LlamaAttention(nn.Module):
@@ -45,10 +52,7 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         T, H, Hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) d]
-        qk = apply_rope(qkv[:, :(H + Hkv) * d].view(T, H + Hkv, d), *rope)  # q and k rotated together
-        q, k = qk.split([H, Hkv], dim=1)  # [T, H, d], [T, Hkv, d]
-        v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d)  # [T, Hkv, d]
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        q, k, v = rope_write_kv(qkv, *rope, kv_cache[0], kv_cache[1], meta.slot_mapping, H, Hkv, d)  # [T, H|Hkv, d]
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, d]
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -62,8 +66,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -74,9 +77,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output [T, hidden]; residual: the stream before it (None at layer 0).
+        Returns (this layer's MLP output, the stream before it): the adds are fused into the norms."""
+        h, residual = self.input_layernorm(x, residual) if residual is not None else (self.input_layernorm(x), x)
+        h, residual = self.post_attention_layernorm(self.self_attn(rope, h, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -96,10 +103,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rotary_emb.lookup(positions, x.dtype)
+        rope = (positions, self.rotary_emb.cos, self.rotary_emb.sin)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(rope, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied

@@ -1,0 +1,156 @@
+/* The per-layer glue of a step, one call each instead of a dozen eager PyTorch ops (see
+ * kvserve/models/fused_ops.py): RoPE + KV-cache write, residual add + RMSNorm, SiLU(gate) * up, and
+ * decode attention on activations of the model's dtype.
+ *
+ * Activation codes as in kv_quant_kernel.c: 3 = float32, 4 = bfloat16. Every result that PyTorch
+ * would round to the activation dtype after an op is rounded here after the same op (round to nearest
+ * even, as c10::BFloat16), so a bfloat16 model sees the values its eager ops would give; float32
+ * products are not contracted into FMAs where eager PyTorch rounds each product (RoPE).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void kvq_decode_attention(const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks,
+                          const float *vs, const int64_t *block_tables, int64_t bt_stride,
+                          const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
+                          float scale, int code, int num_threads);
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN */
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+
+static inline float load(const void *p, int64_t i, int code) {
+    return code == 3 ? ((const float *)p)[i] : bf16_to_float(((const uint16_t *)p)[i]);
+}
+
+static inline void store(void *p, int64_t i, float v, int code) {
+    if (code == 3) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = float_to_bf16(v);
+}
+
+/* v as the activation dtype would hold it */
+static inline float round_to(float v, int code) { return code == 3 ? v : bf16_to_float(float_to_bf16(v)); }
+
+/* Rotate-half RoPE of the first H + Hkv heads of each qkv row, written to qk_out [T, H + Hkv, d]
+ * (activation dtype); the rotated K heads and the V heads (qkv[:, (H + Hkv) d:]) are stored in the
+ * caches at slot_mapping[t] ([num_slots, Hkv, d], cache_code 3 or 4; NULL caches: not stored). qkv: [T, row_stride] elements;
+ * cos/sin: [max_positions, d/2] float32 tables. o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin. */
+__attribute__((optimize("fp-contract=off")))
+void kvs_rope_write_kv(const void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_t,
+                       const float *sin_t, void *qk_out, void *key_cache, void *value_cache,
+                       const int64_t *slot_mapping, int64_t T, int H, int Hkv, int d, int act,
+                       int cache_code, int num_threads) {
+    const int half = d / 2, heads = H + Hkv;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_t + positions[t] * half, *s = sin_t + positions[t] * half;
+        const int64_t row = t * row_stride, slot = slot_mapping[t];
+        for (int h = 0; h < heads; h++) {
+            const int64_t src = row + (int64_t)h * d, dst = (t * heads + h) * (int64_t)d;
+            for (int i = 0; i < half; i++) {
+                const float ci = round_to(c[i], act), si = round_to(s[i], act);
+                const float x1 = load(qkv, src + i, act), x2 = load(qkv, src + half + i, act);
+                const float o1 = round_to(round_to(x1 * ci, act) - round_to(x2 * si, act), act);
+                const float o2 = round_to(round_to(x2 * ci, act) + round_to(x1 * si, act), act);
+                store(qk_out, dst + i, o1, act);
+                store(qk_out, dst + half + i, o2, act);
+                if (h >= H && key_cache) {
+                    const int64_t k = (slot * Hkv + (h - H)) * d;
+                    store(key_cache, k + i, o1, cache_code);
+                    store(key_cache, k + half + i, o2, cache_code);
+                }
+            }
+        }
+        for (int h = 0; value_cache && h < Hkv; h++)
+            for (int i = 0; i < d; i++)
+                store(value_cache, (slot * Hkv + h) * d + i, load(qkv, row + (int64_t)(heads + h) * d + i, act),
+                      cache_code);
+    }
+}
+
+/* RMSNorm (Zhang & Sennrich 2019) of each row of x [T, n], optionally after x += residual (x is updated
+ * in place, rounded to the activation dtype, as eager `x + residual` would be): out = x / sqrt(mean(x^2)
+ * + eps) * w, in float32, rounded once to the activation dtype. w: [n] in w_code (3 or 4). */
+void kvs_add_rms_norm(void *x, const void *residual, const void *w, int w_code, float eps, void *out,
+                      int64_t T, int n, int act, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t r = t * n;
+        float ss = 0.f;
+        if (residual) {
+            for (int i = 0; i < n; i++) {
+                const float v = round_to(load(x, r + i, act) + load(residual, r + i, act), act);
+                store(x, r + i, v, act);
+                ss += v * v;
+            }
+        } else {
+            for (int i = 0; i < n; i++) { const float v = load(x, r + i, act); ss += v * v; }
+        }
+        const float inv = 1.f / sqrtf(ss / (float)n + eps);
+        for (int i = 0; i < n; i++) store(out, r + i, load(x, r + i, act) * inv * load(w, i, w_code), act);
+    }
+}
+
+static inline float exp_nonpos_l(float x) {  /* e^x, x <= 0: same polynomial as kv_quant_kernel.c */
+    const float xc = x < -87.f ? -87.f : x;
+    const float nn = floorf(xc * 1.44269504088896341f + 0.5f);
+    const float r = xc - nn * 0.693359375f + nn * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const uint32_t bits = (uint32_t)((int32_t)nn + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return x < -87.f ? 0.f : p * scale;
+}
+
+/* SwiGLU's elementwise part: out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g * sigmoid(g) rounded
+ * to the activation dtype before the product (as eager F.silu(gate) * up). gu: [T, 2I]; out: [T, I]. */
+void kvs_silu_mul(const void *gu, void *out, int64_t T, int I, int act, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 16)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t r = t * 2 * (int64_t)I;
+        for (int i = 0; i < I; i++) {
+            const float g = load(gu, r + i, act), u = load(gu, r + I + i, act);
+            const float e = exp_nonpos_l(-fabsf(g));  /* e^-|g|: sigmoid without overflow */
+            const float sig = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+            store(out, t * (int64_t)I + i, round_to(g * sig, act) * u, act);
+        }
+    }
+}
+
+/* kvq_decode_attention on activations in `act` (3 or 4): q [B, H, d] and out [B, H, d] in that dtype,
+ * converted to float32 around the float32 kernel (exactly what q.float() / .to(dtype) would give). */
+void kvs_decode_attention(const void *q, const uint8_t *kc, const uint8_t *vc, const int64_t *block_tables,
+                          int64_t bt_stride, const int64_t *seq_lens, void *out, int B, int H, int Hkv, int d,
+                          int bs, float scale, int cache_code, int act, int num_threads) {
+    const int64_t n = (int64_t)B * H * d;
+    float *qf = act == 3 ? (float *)q : malloc(sizeof(float) * (size_t)n);
+    float *of = act == 3 ? (float *)out : malloc(sizeof(float) * (size_t)n);
+    if (act != 3)
+        for (int64_t i = 0; i < n; i++) qf[i] = load(q, i, act);
+    kvq_decode_attention(qf, kc, vc, NULL, NULL, block_tables, bt_stride, seq_lens, of, B, H, Hkv, d, bs, scale,
+                         cache_code, num_threads);
+    if (act != 3) {
+        for (int64_t i = 0; i < n; i++) store(out, i, of[i], act);
+        free(qf);
+        free(of);
+    }
+}

@@ -1,0 +1,140 @@
+"""The C glue kernels of a decoder layer (kvserve/models/fused_ops.py) against their eager PyTorch
+definitions: RoPE + KV write bit-identical (every product rounded as eager rounds it), the residual
+add bit-identical, RMSNorm and SiLU·up within float32 rounding (float32 activations: 2e-6 relative)
+or one bfloat16 rounding step (bfloat16 activations: 2^-7 relative)."""
+import pytest
+import torch
+
+from kvserve.attention import AttentionMetadata, kv_quant_kernel
+from kvserve.attention.kv_quant import QuantizedKVCache
+from kvserve.models import fused_ops
+from kvserve.models.rope import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(kv_quant_kernel.load() is None, reason="no C compiler: kernels not built here")
+
+DTYPES = [torch.float32, torch.bfloat16]
+REL = {torch.float32: 2e-6, torch.bfloat16: 2 ** -7}
+
+
+def _close(got, ref, dtype):
+    got, ref = got.float(), ref.float()
+    bound = REL[dtype] * ref.abs() + 1e-6
+    assert ((got - ref).abs() <= bound).all(), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40 rows: the threaded loop
+def test_rms_norm_matches_eager(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, 576, generator=g).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    ref = fused_ops.rms_norm_reference(x, w, 1e-5)
+    out, stream = fused_ops.rms_norm(x, w, 1e-5)
+    assert stream is x
+    _close(out, ref, dtype)
+    expect_stream = delta + x  # eager add in the activation dtype
+    ref = fused_ops.rms_norm_reference(expect_stream, w, 1e-5)
+    stream_in = x.clone()
+    out, stream = fused_ops.rms_norm(delta, w, 1e-5, residual=stream_in)
+    assert stream is stream_in  # updated in place
+    assert torch.equal(stream, expect_stream)
+    _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_float32_weight_on_bfloat16_rows(dtype):
+    x = torch.randn(2, 64).to(dtype)
+    w = torch.rand(64) + 0.5  # float32 weight with any activation dtype
+    _close(fused_ops.rms_norm(x, w, 1e-6)[0], fused_ops.rms_norm_reference(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 33])
+def test_silu_mul_matches_eager(dtype, rows):
+    g = torch.Generator().manual_seed(7)
+    gu = (torch.randn(rows, 2 * 1536, generator=g) * 6).to(dtype)
+    gu[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -1e-30, 20.0, -20.0]).to(dtype)  # tails of exp
+    _close(fused_ops.silu_mul(gu), fused_ops.silu_mul_reference(gu), dtype)
+
+
+def _rope_case(dtype, cache_dtype, T=5, H=9, Hkv=3, d=64, strided=False):
+    g = torch.Generator().manual_seed(3)
+    rot = RotaryEmbedding(d, 256, 10000.0)
+    width = (H + 2 * Hkv) * d
+    big = torch.randn(T, width + (32 if strided else 0), generator=g).to(dtype)
+    qkv = big[:, :width]  # rows strided like a slice of a wider projection when strided
+    positions = torch.tensor([0, 17, 100, 255, 31][:T])
+    slots = torch.tensor([3, 40, 41, 7, 63][:T])
+    caches = []
+    for _ in range(2):
+        if cache_dtype in ("int8", "fp8_e4m3"):
+            caches.append([QuantizedKVCache.zeros(cache_dtype, 4, 16, Hkv, d) for _ in range(2)])
+        else:
+            caches.append([torch.zeros(4, 16, Hkv, d, dtype=cache_dtype) for _ in range(2)])
+    return qkv, positions, rot, slots, caches, (H, Hkv, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, "int8"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rope_write_kv_bit_identical_to_eager(dtype, cache_dtype, strided):
+    qkv, pos, rot, slots, (fast_c, ref_c), (H, Hkv, d) = _rope_case(dtype, cache_dtype, strided=strided)
+    q, k, v = fused_ops.rope_write_kv(qkv, pos, rot.cos, rot.sin, *fast_c, slots, H, Hkv, d)
+    rq, rk, rv = fused_ops.rope_write_kv_reference(qkv, pos, rot.cos, rot.sin, *ref_c, slots, H, Hkv, d)
+    assert q.shape == (5, H, d) and k.shape == (5, Hkv, d) and v.shape == (5, Hkv, d)
+    assert torch.equal(q, rq) and torch.equal(k, rk) and torch.equal(v, rv)
+    for a, b in zip(fast_c, ref_c):
+        if isinstance(a, QuantizedKVCache):
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+        else:
+            assert torch.equal(a, b)
+            assert a.abs().sum() > 0  # something was written
+
+
+def test_rope_rotates_by_position():
+    """Independent check of the rotation itself: at position p, pair (x_i, x_{i+d/2}) turns by p·θ_i."""
+    d = 8
+    rot = RotaryEmbedding(d, 64, 10000.0)
+    qkv = torch.zeros(1, 3 * d)
+    qkv[0, 0] = 1.0  # q: unit vector on the first pair's x1
+    kc, vc = torch.zeros(1, 4, 1, d), torch.zeros(1, 4, 1, d)
+    q, _, _ = fused_ops.rope_write_kv(qkv, torch.tensor([5]), rot.cos, rot.sin, kc, vc, torch.tensor([2]), 1, 1, d)
+    assert q[0, 0, 0].item() == pytest.approx(torch.cos(torch.tensor(5.0)).item(), abs=1e-6)
+    assert q[0, 0, d // 2].item() == pytest.approx(torch.sin(torch.tensor(5.0)).item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_in_activation_dtype_equals_float_kernel(dtype):
+    """kvs_decode_attention on bf16/f32 q is the float32 kernel with exact casts around it."""
+    dll = kv_quant_kernel.load()
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(2, 8, 16, 3, 64, generator=g).to(dtype)
+    meta = AttentionMetadata.build([[2, 5, 1], [7]], [40, 9], [1, 1], 16)
+    q = torch.randn(2, 9, 64, generator=g).to(dtype)
+    got = kv_quant_kernel.act_decode_attention(dll, q, kc, vc, meta.block_tables, meta.seq_lens, 0.125)
+    ref = kv_quant_kernel.float_decode_attention(dll, q.float(), kc, vc, meta.block_tables, meta.seq_lens, 0.125)
+    assert got.dtype == dtype and torch.equal(got, ref.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_llama_forward_same_with_and_without_kernels(dtype, monkeypatch):
+    """A tiny random Llama through the fused glue vs the eager reference ops: prefill and decode logits."""
+    from kvserve import SamplingParams
+    from tests.conftest import tiny_llm
+
+    def run():
+        name = "float32" if dtype == torch.float32 else "bfloat16"
+        llm = tiny_llm(dtype=name, weight_dtype=name)
+        out = llm.generate([list(range(5, 40))], SamplingParams(max_tokens=6, temperature=0, logprobs=3,
+                                                                ignore_eos=True))[0]
+        return out.outputs[0]
+
+    fast = run()
+    monkeypatch.setattr(kv_quant_kernel, "load", lambda: None)
+    ref = run()
+    assert fast.token_ids == ref.token_ids
+    tol = 1e-4 if dtype == torch.float32 else 0.05
+    for a, b in zip(fast.logprobs, ref.logprobs):
+        assert a.top_token_ids[0] == b.top_token_ids[0]
+        assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=tol)
