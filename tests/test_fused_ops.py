@@ -64,8 +64,8 @@ def _rope_case(dtype, cache_dtype, T=5, H=9, Hkv=3, d=64, strided=False):
     width = (H + 2 * Hkv) * d
     big = torch.randn(T, width + (32 if strided else 0), generator=g).to(dtype)
     qkv = big[:, :width]  # rows strided like a slice of a wider projection when strided
-    positions = torch.tensor([0, 17, 100, 255, 31][:T])
-    slots = torch.tensor([3, 40, 41, 7, 63][:T])
+    positions = torch.randint(0, 256, (T,), generator=g)
+    slots = torch.randperm(64, generator=g)[:T]  # distinct cache slots
     caches = []
     for _ in range(2):
         if cache_dtype in ("int8", "fp8_e4m3"):
@@ -78,11 +78,12 @@ def _rope_case(dtype, cache_dtype, T=5, H=9, Hkv=3, d=64, strided=False):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, "int8"])
 @pytest.mark.parametrize("strided", [False, True])
-def test_rope_write_kv_bit_identical_to_eager(dtype, cache_dtype, strided):
-    qkv, pos, rot, slots, (fast_c, ref_c), (H, Hkv, d) = _rope_case(dtype, cache_dtype, strided=strided)
+@pytest.mark.parametrize("T", [5, 40])  # 40 tokens: the threaded loop
+def test_rope_write_kv_bit_identical_to_eager(dtype, cache_dtype, strided, T):
+    qkv, pos, rot, slots, (fast_c, ref_c), (H, Hkv, d) = _rope_case(dtype, cache_dtype, T=T, strided=strided)
     q, k, v = fused_ops.rope_write_kv(qkv, pos, rot.cos, rot.sin, *fast_c, slots, H, Hkv, d)
     rq, rk, rv = fused_ops.rope_write_kv_reference(qkv, pos, rot.cos, rot.sin, *ref_c, slots, H, Hkv, d)
-    assert q.shape == (5, H, d) and k.shape == (5, Hkv, d) and v.shape == (5, Hkv, d)
+    assert q.shape == (T, H, d) and k.shape == (T, Hkv, d) and v.shape == (T, Hkv, d)
     assert torch.equal(q, rq) and torch.equal(k, rk) and torch.equal(v, rv)
     for a, b in zip(fast_c, ref_c):
         if isinstance(a, QuantizedKVCache):
@@ -138,3 +139,47 @@ def test_llama_forward_same_with_and_without_kernels(dtype, monkeypatch):
     for a, b in zip(fast.logprobs, ref.logprobs):
         assert a.top_token_ids[0] == b.top_token_ids[0]
         assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_write_kv_without_kv_outputs_writes_the_same_cache(dtype):
+    """need_kv=False (decode-only steps) returns only q and stores the same K/V."""
+    qkv, pos, rot, slots, (fast_c, ref_c), (H, Hkv, d) = _rope_case(dtype, torch.bfloat16)
+    q, k, v = fused_ops.rope_write_kv(qkv, pos, rot.cos, rot.sin, *fast_c, slots, H, Hkv, d, need_kv=False)
+    rq, _, _ = fused_ops.rope_write_kv_reference(qkv, pos, rot.cos, rot.sin, *ref_c, slots, H, Hkv, d)
+    assert k is None and v is None and torch.equal(q, rq)
+    assert all(torch.equal(a, b) for a, b in zip(fast_c, ref_c))
+
+
+@pytest.mark.parametrize("dtype,weight_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                                ("bfloat16", "int4"), ("bfloat16", "int8"), ("float32", "int4")])
+def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype):
+    """The flat decode loop (llama_decode.py) against the modules' forward: same tokens and the very same
+    logprobs for a batch of decodes of different lengths (the plan runs the same kernels in the same order)."""
+    from kvserve import SamplingParams
+    from kvserve.models.llama_decode import LlamaDecodePlan
+    from tests.conftest import tiny_llm
+
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40)]
+    sp = SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
+    results = []
+    for use_plan in (True, False):
+        llm = tiny_llm(dtype=dtype, weight_dtype=weight_dtype, max_num_batched_tokens=64)
+        model = llm.engine.runner.model
+        model.use_decode_plan = use_plan
+        outs = [o.outputs[0] for o in llm.generate(prompts, sp)]
+        plans = [p for _, p in model._plans.values()]
+        assert (len(plans) == 1 and isinstance(plans[0], LlamaDecodePlan)) if use_plan else not plans
+        results.append(outs)
+    for a, b in zip(*results):
+        assert a.token_ids == b.token_ids
+        assert [x.top_logprobs for x in a.logprobs] == [x.top_logprobs for x in b.logprobs]  # exact
+
+
+def test_decode_plan_not_built_for_quantized_kv_cache():
+    from kvserve import SamplingParams
+    from tests.conftest import tiny_llm
+
+    llm = tiny_llm(kv_cache_dtype="int8")
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [p for _, p in llm.engine.runner.model._plans.values()] == [None]

@@ -52,7 +52,7 @@ def load() -> ctypes.CDLL | None:
     dll.kvq_decode_attention.restype = None
     dll.kvq_dequantize.argtypes = [p, p, p, i64, i32, i32, i32]
     dll.kvq_dequantize.restype = None
-    dll.kvs_rope_write_kv.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, i32]
+    dll.kvs_rope_write_kv.argtypes = [p, i64, p, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, i32]
     dll.kvs_add_rms_norm.argtypes = [p, p, p, i32, f32, p, i64, i32, i32, i32]
     dll.kvs_silu_mul.argtypes = [p, p, i64, i32, i32, i32]
     dll.kvs_decode_attention.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, i32, i32]

@@ -44,41 +44,77 @@ static inline void store(void *p, int64_t i, float v, int code) {
 /* v as the activation dtype would hold it */
 static inline float round_to(float v, int code) { return code == 3 ? v : bf16_to_float(float_to_bf16(v)); }
 
-/* Rotate-half RoPE of the first H + Hkv heads of each qkv row, written to qk_out [T, H + Hkv, d]
- * (activation dtype); the rotated K heads and the V heads (qkv[:, (H + Hkv) d:]) are stored in the
- * caches at slot_mapping[t] ([num_slots, Hkv, d], cache_code 3 or 4; NULL caches: not stored). qkv: [T, row_stride] elements;
- * cos/sin: [max_positions, d/2] float32 tables. o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin. */
+static inline __attribute__((always_inline, optimize("fp-contract=off"))) void rope_row(
+        const void *qkv, int64_t row, const float *c, const float *s, void *q_out, void *k_out, void *key_cache,
+        void *value_cache, int64_t t, int64_t slot, int H, int Hkv, int d, const int act, const int cache_code) {
+    const int half = d / 2;
+    float rot[512];  /* one rotated head (d <= 512) */
+    for (int h = 0; h < H + Hkv; h++) {
+        const int64_t src = row + (int64_t)h * d;
+        for (int i = 0; i < half; i++) {
+            const float ci = round_to(c[i], act), si = round_to(s[i], act);
+            const float x1 = load(qkv, src + i, act), x2 = load(qkv, src + half + i, act);
+            rot[i] = round_to(round_to(x1 * ci, act) - round_to(x2 * si, act), act);
+            rot[half + i] = round_to(round_to(x2 * ci, act) + round_to(x1 * si, act), act);
+        }
+        if (h < H) {
+            for (int i = 0; i < d; i++) store(q_out, (t * H + h) * (int64_t)d + i, rot[i], act);
+            continue;
+        }
+        if (k_out)
+            for (int i = 0; i < d; i++) store(k_out, (t * Hkv + h - H) * (int64_t)d + i, rot[i], act);
+        if (key_cache)
+            for (int i = 0; i < d; i++) store(key_cache, (slot * Hkv + h - H) * (int64_t)d + i, rot[i], cache_code);
+    }
+    for (int h = 0; value_cache && h < Hkv; h++)
+        for (int i = 0; i < d; i++)
+            store(value_cache, (slot * Hkv + h) * d + i, load(qkv, row + (int64_t)(H + Hkv + h) * d + i, act), cache_code);
+}
+
+/* Rotate-half RoPE of the first H + Hkv heads of each qkv row: queries to q_out [T, H, d], keys to
+ * k_out [T, Hkv, d] (activation dtype; NULL: not returned) and to key_cache at slot_mapping[t]; the V
+ * heads (qkv[:, (H + Hkv) d:]) to value_cache ([num_slots, Hkv, d] in cache_code 3 or 4; NULL caches:
+ * not stored). qkv: [T, row_stride] elements; cos/sin: [max_positions, d/2] float32 tables.
+ * o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin, each product rounded to the activation dtype. d <= 512. */
 __attribute__((optimize("fp-contract=off")))
 void kvs_rope_write_kv(const void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_t,
-                       const float *sin_t, void *qk_out, void *key_cache, void *value_cache,
+                       const float *sin_t, void *q_out, void *k_out, void *key_cache, void *value_cache,
                        const int64_t *slot_mapping, int64_t T, int H, int Hkv, int d, int act,
                        int cache_code, int num_threads) {
-    const int half = d / 2, heads = H + Hkv;
+    const int half = d / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 16)
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_t + positions[t] * half, *s = sin_t + positions[t] * half;
         const int64_t row = t * row_stride, slot = slot_mapping[t];
-        for (int h = 0; h < heads; h++) {
-            const int64_t src = row + (int64_t)h * d, dst = (t * heads + h) * (int64_t)d;
-            for (int i = 0; i < half; i++) {
-                const float ci = round_to(c[i], act), si = round_to(s[i], act);
-                const float x1 = load(qkv, src + i, act), x2 = load(qkv, src + half + i, act);
-                const float o1 = round_to(round_to(x1 * ci, act) - round_to(x2 * si, act), act);
-                const float o2 = round_to(round_to(x2 * ci, act) + round_to(x1 * si, act), act);
-                store(qk_out, dst + i, o1, act);
-                store(qk_out, dst + half + i, o2, act);
-                if (h >= H && key_cache) {
-                    const int64_t k = (slot * Hkv + (h - H)) * d;
-                    store(key_cache, k + i, o1, cache_code);
-                    store(key_cache, k + half + i, o2, cache_code);
-                }
-            }
-        }
-        for (int h = 0; value_cache && h < Hkv; h++)
-            for (int i = 0; i < d; i++)
-                store(value_cache, (slot * Hkv + h) * d + i, load(qkv, row + (int64_t)(heads + h) * d + i, act),
-                      cache_code);
+        if (act == 4 && cache_code == 4)
+            rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, t, slot, H, Hkv, d, 4, 4);
+        else if (act == 4)
+            rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, t, slot, H, Hkv, d, 4, 3);
+        else if (cache_code == 4)
+            rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, t, slot, H, Hkv, d, 3, 4);
+        else
+            rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, t, slot, H, Hkv, d, 3, 3);
     }
+}
+
+static inline __attribute__((always_inline)) void rms_norm_row(
+        void *x, const void *residual, const void *w, int w_code, float eps, void *out, int64_t r, int n,
+        const int act) {
+    float ss = 0.f;
+    if (residual) {
+        for (int i = 0; i < n; i++) {
+            const float v = round_to(load(x, r + i, act) + load(residual, r + i, act), act);
+            store(x, r + i, v, act);
+            ss += v * v;
+        }
+    } else {
+        for (int i = 0; i < n; i++) { const float v = load(x, r + i, act); ss += v * v; }
+    }
+    const float inv = 1.f / sqrtf(ss / (float)n + eps);
+    if (w_code == 3)
+        for (int i = 0; i < n; i++) store(out, r + i, load(x, r + i, act) * inv * ((const float *)w)[i], act);
+    else
+        for (int i = 0; i < n; i++) store(out, r + i, load(x, r + i, act) * inv * load(w, i, 4), act);
 }
 
 /* RMSNorm (Zhang & Sennrich 2019) of each row of x [T, n], optionally after x += residual (x is updated
@@ -88,19 +124,8 @@ void kvs_add_rms_norm(void *x, const void *residual, const void *w, int w_code, 
                       int64_t T, int n, int act, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 16)
     for (int64_t t = 0; t < T; t++) {
-        const int64_t r = t * n;
-        float ss = 0.f;
-        if (residual) {
-            for (int i = 0; i < n; i++) {
-                const float v = round_to(load(x, r + i, act) + load(residual, r + i, act), act);
-                store(x, r + i, v, act);
-                ss += v * v;
-            }
-        } else {
-            for (int i = 0; i < n; i++) { const float v = load(x, r + i, act); ss += v * v; }
-        }
-        const float inv = 1.f / sqrtf(ss / (float)n + eps);
-        for (int i = 0; i < n; i++) store(out, r + i, load(x, r + i, act) * inv * load(w, i, w_code), act);
+        if (act == 4) rms_norm_row(x, residual, w, w_code, eps, out, t * n, n, 4);
+        else rms_norm_row(x, residual, w, w_code, eps, out, t * n, n, 3);
     }
 }
 
@@ -121,18 +146,24 @@ static inline float exp_nonpos_l(float x) {  /* e^x, x <= 0: same polynomial as 
     return x < -87.f ? 0.f : p * scale;
 }
 
+static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, void *out, int64_t t, int I,
+                                                               const int act) {
+    const int64_t r = t * 2 * (int64_t)I;
+    for (int i = 0; i < I; i++) {
+        const float g = load(gu, r + i, act), u = load(gu, r + I + i, act);
+        const float e = exp_nonpos_l(-fabsf(g));  /* e^-|g|: sigmoid without overflow */
+        const float sig = (g >= 0.f ? 1.f : e) / (1.f + e);
+        store(out, t * (int64_t)I + i, round_to(g * sig, act) * u, act);
+    }
+}
+
 /* SwiGLU's elementwise part: out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g * sigmoid(g) rounded
  * to the activation dtype before the product (as eager F.silu(gate) * up). gu: [T, 2I]; out: [T, I]. */
 void kvs_silu_mul(const void *gu, void *out, int64_t T, int I, int act, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 16)
     for (int64_t t = 0; t < T; t++) {
-        const int64_t r = t * 2 * (int64_t)I;
-        for (int i = 0; i < I; i++) {
-            const float g = load(gu, r + i, act), u = load(gu, r + I + i, act);
-            const float e = exp_nonpos_l(-fabsf(g));  /* e^-|g|: sigmoid without overflow */
-            const float sig = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-            store(out, t * (int64_t)I + i, round_to(g * sig, act) * u, act);
-        }
+        if (act == 4) silu_mul_row(gu, out, t, I, 4);
+        else silu_mul_row(gu, out, t, I, 3);
     }
 }
 

@@ -33,7 +33,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache
     """Causal attention of this step's queries over each sequence's cached K/V.
 
     q: [num_tokens, num_heads, head_dim]; k, v: this step's new [num_tokens, num_kv_heads, head_dim]
-    (already written to the cache; used directly when a sequence has no earlier context).
+    (already written to the cache; used directly when a sequence has no earlier context; may be None
+    in a decode-only step with a float cache, which reads every key back from the cache).
     Returns [num_tokens, num_heads, head_dim]. Quantized caches go to
     :func:`kvserve.attention.kv_quant.quantized_paged_attention`; sliding-window metadata to
     :func:`sliding_window_attention`.
@@ -100,8 +101,10 @@ def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     B, H, d = q.shape
     dll = kv_quant_kernel.load() if q.device.type == "cpu" and key_cache.dtype in _KERNEL_DTYPES else None
     if dll is not None and q.dtype in _KERNEL_DTYPES:
-        return kv_quant_kernel.act_decode_attention(dll, q, key_cache, value_cache, meta.block_tables[:B],
-                                                    meta.seq_lens[:B], scale)
+        whole = B == len(meta.seq_lens_list)  # a decode-only step: no slicing
+        return kv_quant_kernel.act_decode_attention(dll, q, key_cache, value_cache,
+                                                    meta.block_tables if whole else meta.block_tables[:B],
+                                                    meta.seq_lens if whole else meta.seq_lens[:B], scale)
     if dll is not None:
         return kv_quant_kernel.float_decode_attention(dll, q.float(), key_cache, value_cache, meta.block_tables[:B],
                                                       meta.seq_lens[:B], scale).to(q.dtype)

@@ -21,6 +21,10 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     layers = getattr(model, "layers", None)
     if layers is None:
         return 0
+    from kvserve.models.llama import LlamaForCausalLM
+
+    if isinstance(model, LlamaForCausalLM):
+        model.use_decode_plan = False  # the flat decode loop would bypass the compiled layers
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for layer in layers:
         layer.compile(dynamic=True)

@@ -72,29 +72,32 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   key_cache, value_cache, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  head_dim: int, need_kv: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Rotate the query and key heads of a fused QKV projection (rotate-half RoPE, Su et al. 2021) and
     store this step's keys and values in the paged cache.
 
     qkv: [T, (H + 2 Hkv) d] rows (activation dtype; rows may be strided); positions: [T] int64;
     cos, sin: [max_positions, d/2] float32 tables (cast to the activation dtype before use, as the
     eager path does); caches: [num_blocks, block_size, Hkv, d] tensors or QuantizedKVCache;
-    slot_mapping: [T] int64. Returns q [T, H, d], k [T, Hkv, d] (rotated) and v [T, Hkv, d] (a view of qkv).
+    slot_mapping: [T] int64. Returns q [T, H, d], k [T, Hkv, d] (rotated) and v [T, Hkv, d] (a view of qkv);
+    k and v are None when ``need_kv`` is False (a decode-only step reads them back from the cache).
     """
     T, H, Hkv, d = qkv.shape[0], num_heads, num_kv_heads, head_dim
-    v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d)  # [T, Hkv, d]
     float_cache = isinstance(key_cache, torch.Tensor) and key_cache.dtype in ACT_CODES
     dll = None
     if qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.dtype in ACT_CODES and qkv.device.type == "cpu":
         dll = _kernel(cos, sin, *((key_cache, value_cache) if float_cache else ()))
     if dll is None:
         return rope_write_kv_reference(qkv, positions, cos, sin, key_cache, value_cache, slot_mapping, H, Hkv, d)
-    qk = torch.empty(T, H + Hkv, d, dtype=qkv.dtype)
+    q = torch.empty(T, H, d, dtype=qkv.dtype)
+    k = torch.empty(T, Hkv, d, dtype=qkv.dtype) if need_kv or not float_cache else None
     caches = (key_cache.data_ptr(), value_cache.data_ptr(), ACT_CODES[key_cache.dtype]) if float_cache else (None, None, 3)
     dll.kvs_rope_write_kv(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                          qk.data_ptr(), caches[0], caches[1], slot_mapping.data_ptr(), T, H, Hkv, d,
-                          ACT_CODES[qkv.dtype], caches[2], torch.get_num_threads())
-    q, k = qk.split([H, Hkv], dim=1)  # [T, H, d], [T, Hkv, d]
+                          q.data_ptr(), None if k is None else k.data_ptr(), caches[0], caches[1],
+                          slot_mapping.data_ptr(), T, H, Hkv, d, ACT_CODES[qkv.dtype], caches[2], torch.get_num_threads())
+    if k is None:
+        return q, None, None
+    v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d)  # [T, Hkv, d]
     if not float_cache:  # quantized cache: its own write path
         write_kv(key_cache, value_cache, k, v, slot_mapping)
     return q, k, v

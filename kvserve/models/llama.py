@@ -15,6 +15,7 @@ from torch import nn
 from kvserve.attention import AttentionMetadata, paged_attention
 from kvserve.config import ModelConfig
 from kvserve.models.fused_ops import rms_norm, rms_norm_reference, rope_write_kv, silu_mul
+from kvserve.models.llama_decode import LlamaDecodePlan
 from kvserve.models.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_blocks, block_size, Hkv, d], same)
@@ -52,7 +53,8 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         T, H, Hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) d]
-        q, k, v = rope_write_kv(qkv, *rope, kv_cache[0], kv_cache[1], meta.slot_mapping, H, Hkv, d)  # [T, H|Hkv, d]
+        q, k, v = rope_write_kv(qkv, *rope, kv_cache[0], kv_cache[1], meta.slot_mapping, H, Hkv, d,
+                                need_kv=meta.num_decodes < len(meta.seq_lens_list))  # [T, H|Hkv, d]
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, H, d]
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -99,15 +101,30 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.use_decode_plan = True  # decode-only steps as one flat loop of kernel calls (llama_decode.py)
+        self._plans: dict[int, tuple[list[KVCache], LlamaDecodePlan | None]] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
+        if meta.num_decodes == len(meta.seq_lens_list) and not meta.sliding_window and self.use_decode_plan \
+                and not torch.compiler.is_compiling():
+            plan = self.decode_plan(kv_caches)
+            if plan is not None:
+                return plan(input_ids, positions, meta)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = (positions, self.rotary_emb.cos, self.rotary_emb.sin)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(rope, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
+
+    def decode_plan(self, kv_caches: list[KVCache]) -> LlamaDecodePlan | None:
+        """The flat decode loop for these caches, built on first use (the weights are final by then);
+        None when some part has no kernel here."""
+        entry = self._plans.get(id(kv_caches))
+        if entry is None or entry[0] is not kv_caches:
+            entry = self._plans[id(kv_caches)] = (kv_caches, LlamaDecodePlan.build(self, kv_caches))
+        return entry[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied

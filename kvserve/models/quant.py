@@ -108,6 +108,8 @@ class PackedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == KERNEL_DTYPE and self.bias is None and x.shape[0] < DENSE_MIN_TOKENS:
+            return self._packed_mm(x)  # a decode step's rows: nothing to reshape or cast
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # [T, K]
         y = F.linear(x2, self.dense) if self.dense is not None and x2.shape[0] >= DENSE_MIN_TOKENS else self._packed_mm(x2)

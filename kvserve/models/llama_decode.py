@@ -1,0 +1,96 @@
+"""Decode-only steps of a Llama model as one flat loop of kernel calls: the CPU stand-in for replaying
+a captured CUDA graph.
+
+Per layer: RMSNorm, QKV matmul, RoPE + KV write, decode attention, O matmul, residual add + RMSNorm,
+gate/up matmul, SiLU·up, down matmul: nine calls, into buffers allocated once per step. The kernels
+are the ones :class:`kvserve.models.llama.LlamaForCausalLM`'s modules call (the matmuls through the
+modules' own ``forward``), in the same order, so the hidden states are bit-identical to the module
+path (tested); only Python's per-op work is gone. Between two matmuls that stream weights from memory,
+every eager op's interpreter and dispatcher state is cold again, so a decode step's glue cost several
+times what it costs in a tight loop; this removes most of it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention import AttentionMetadata, kv_quant_kernel
+from kvserve.models.fused_ops import ACT_CODES
+
+MAX_HEAD_DIM = 512  # the RoPE kernel's per-head buffer
+
+
+class LlamaDecodePlan:
+    """Built once per (model, KV caches) after the weights are final; call with a decode-only step.
+
+    ``plan(input_ids [B] int64, positions [B] int64, meta)`` → final-norm hidden states [B, hidden]."""
+
+    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], dll):
+        cfg = model.config
+        self.dll = dll
+        self.model = model
+        self.H, self.Hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.hidden, self.inter, self.eps = cfg.hidden_size, cfg.intermediate_size, model.norm.eps
+        self.scale = model.layers[0].self_attn.scale
+        self.embed = model.embed_tokens.weight
+        self.cos, self.sin = model.rotary_emb.cos, model.rotary_emb.sin
+        self.final_norm = model.norm.weight
+        self.caches = kv_caches  # kept alive: the plan holds their data pointers
+        self.layers = []
+        for layer, (kc, vc) in zip(model.layers, kv_caches):
+            a, mlp = layer.self_attn, layer.mlp
+            self.layers.append((layer.input_layernorm.weight.data_ptr(), ACT_CODES[layer.input_layernorm.weight.dtype],
+                                a.qkv_proj.forward, kc.data_ptr(), vc.data_ptr(), a.o_proj.forward,
+                                layer.post_attention_layernorm.weight.data_ptr(),
+                                ACT_CODES[layer.post_attention_layernorm.weight.dtype],
+                                mlp.gate_up_proj.forward, mlp.down_proj.forward))
+        self.cache_code = ACT_CODES[kv_caches[0][0].dtype]
+        self.block_size = kv_caches[0][0].shape[1]
+
+    @staticmethod
+    def build(model, kv_caches) -> "LlamaDecodePlan | None":
+        """The plan, or None when a part of the model or cache has no kernel here (the module path runs)."""
+        dll = kv_quant_kernel.load()
+        if dll is None or model.config.head_dim > MAX_HEAD_DIM or model.embed_tokens.weight.dtype not in ACT_CODES:
+            return None
+        for kc, vc in kv_caches:
+            for c in (kc, vc):
+                if not isinstance(c, torch.Tensor) or c.dtype not in ACT_CODES or not c.is_contiguous() \
+                        or c.device.type != "cpu":
+                    return None
+        norms = [model.norm] + [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        if any(n.weight.dtype not in ACT_CODES or not n.weight.is_contiguous() for n in norms):
+            return None
+        return LlamaDecodePlan(model, kv_caches, dll)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        dll, H, Hkv, d, n, inter, eps = self.dll, self.H, self.Hkv, self.d, self.hidden, self.inter, self.eps
+        B = input_ids.shape[0]
+        x = F.embedding(input_ids, self.embed)  # [B, hidden]: the residual stream, updated in place
+        dt = x.dtype
+        act, cc, nt = ACT_CODES[dt], self.cache_code, torch.get_num_threads()
+        h = torch.empty_like(x)  # normed input of each matmul block
+        q = torch.empty(B, H, d, dtype=dt)
+        o = torch.empty(B, H * d, dtype=dt)  # attention output
+        g = torch.empty(B, inter, dtype=dt)  # silu(gate) * up
+        xp, hp, qp, op, gp = x.data_ptr(), h.data_ptr(), q.data_ptr(), o.data_ptr(), g.data_ptr()
+        pos, slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
+        tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
+        bt, bts, sl = tables.data_ptr(), tables.stride(0), seq_lens.data_ptr()
+        cos, sin = self.cos.data_ptr(), self.sin.data_ptr()
+        norm, rope, attend, silu = dll.kvs_add_rms_norm, dll.kvs_rope_write_kv, dll.kvs_decode_attention, dll.kvs_silu_mul
+        delta = None  # the previous layer's MLP output, added to the stream by the next norm
+        for nw, nwc, qkv_proj, kc, vc, o_proj, pw, pwc, gate_up_proj, down_proj in self.layers:
+            norm(xp, None if delta is None else delta.data_ptr(), nw, nwc, eps, hp, B, n, act, nt)
+            qkv = qkv_proj(h)  # [B, (H + 2 Hkv) d]
+            rope(qkv.data_ptr(), qkv.stride(0), pos, cos, sin, qp, None, kc, vc, slots, B, H, Hkv, d, act, cc, nt)
+            attend(qp, kc, vc, bt, bts, sl, op, B, H, Hkv, d, self.block_size, self.scale, cc, act, nt)
+            a = o_proj(o)  # [B, hidden]
+            norm(xp, a.data_ptr(), pw, pwc, eps, hp, B, n, act, nt)
+            gu = gate_up_proj(h)  # [B, 2 I]
+            silu(gu.data_ptr(), gp, B, inter, act, nt)
+            delta = down_proj(g)  # [B, hidden]
+        out = torch.empty_like(x)
+        norm(xp, delta.data_ptr(), self.final_norm.data_ptr(), ACT_CODES[self.final_norm.dtype], eps, out.data_ptr(),
+             B, n, act, nt)
+        return out
