@@ -55,6 +55,17 @@ static inline void decode_row(const uint8_t *src, float *dst, int d, int code) {
     }
 }
 
+/* Ask for a whole block of K and V (all kv heads: the item's other heads read it next) ahead of use,
+ * so memory streams while the current block is computed on. */
+static inline void prefetch_block(const uint8_t *kc, const uint8_t *vc, int64_t first_slot, int bs, int Hkv,
+                                  int64_t row_bytes) {
+    const int64_t begin = first_slot * Hkv * row_bytes, bytes = (int64_t)bs * Hkv * row_bytes;
+    for (int64_t o = 0; o < bytes; o += 64) {
+        __builtin_prefetch(kc + begin + o, 0, 1);
+        __builtin_prefetch(vc + begin + o, 0, 1);
+    }
+}
+
 /* One (sequence, kv head, chunk of tokens [t_begin, t_end)): G query rows. Writes the chunk's partial
  * softmax state (flash-decoding, Dao et al. 2023): running max mx[G], sum of exp sum[G] and the
  * unnormalized output acc[G, d]. Inlined with d a literal (64/128/256) so the row loops unroll and
@@ -70,6 +81,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
     for (int g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.f; }
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
+        if (t0 + bs < t_end) prefetch_block(kc, vc, table[t0 / bs + 1] * bs, bs, Hkv, d * es);
         for (int64_t j = 0; j < n; j++) {
             const int64_t slot = base + j, t = t0 + j - t_begin;
             decode_row(kc + (slot * Hkv + h) * d * es, row, d, code);
@@ -110,42 +122,50 @@ static inline __attribute__((always_inline)) void attend_chunk(
 
 /* q: [B, H, d]; caches: [num_blocks, bs, Hkv, d] codes (or floats); scales: [num_blocks, bs, Hkv] or NULL;
  * block_tables: [B, bt_stride]; seq_lens: [B]; out: [B, H, d]. Query heads h*G .. h*G+G-1 share kv head h.
- * Work items are (sequence, kv head, chunk of ~512 tokens) so one long sequence keeps every thread busy;
- * the chunks' partial softmax states are then merged: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) z_c. */
+ * Work items are (sequence, chunk of tokens) so one long sequence keeps every thread busy; an item runs
+ * its KV heads one after another over the same blocks, so each block comes from memory once (the other
+ * heads find it in L2; items per head would stream every block from DRAM once per head). The chunks'
+ * partial softmax states are then merged: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) z_c. */
 void kvq_decode_attention(const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks,
                           const float *vs, const int64_t *block_tables, int64_t bt_stride,
                           const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
                           float scale, int code, int num_threads) {
     const int G = H / Hkv;
-    const int64_t chunk = ((512 + bs - 1) / bs) * bs;
-    int64_t *first = malloc(sizeof(int64_t) * (B + 1));  /* first work item of each sequence */
+    int64_t total = 0;
+    for (int b = 0; b < B; b++) total += seq_lens[b];
+    /* chunks of up to 512 tokens (whole blocks), smaller when that leaves threads idle */
+    int64_t chunk = ((512 + bs - 1) / bs) * bs;
+    while (chunk > 4 * bs && total / chunk < 2 * num_threads) chunk /= 2;
+    chunk = ((chunk + bs - 1) / bs) * bs;
+    int64_t *first = malloc(sizeof(int64_t) * (B + 1));  /* first chunk of each sequence */
     first[0] = 0;
-    for (int b = 0; b < B; b++) first[b + 1] = first[b] + Hkv * ((seq_lens[b] + chunk - 1) / chunk);
+    for (int b = 0; b < B; b++) first[b + 1] = first[b] + (seq_lens[b] + chunk - 1) / chunk;
     const int64_t num_items = first[B];
-    float *part = malloc(sizeof(float) * (size_t)(num_items * G * (d + 2)));
+    /* partial state of (sequence b, kv head h, chunk c) at index first[b] * Hkv + h * nchunks_b + c */
+    float *part = malloc(sizeof(float) * (size_t)(num_items * Hkv * G * (d + 2)));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < num_items; item++) {
         int b = 0;
         while (first[b + 1] <= item) b++;
-        const int64_t nchunks = (first[b + 1] - first[b]) / Hkv, local = item - first[b];
-        const int h = (int)(local / nchunks);
-        const int64_t c = local % nchunks, t_begin = c * chunk;
+        const int64_t nchunks = first[b + 1] - first[b], c = item - first[b], t_begin = c * chunk;
         const int64_t t_end = t_begin + chunk < seq_lens[b] ? t_begin + chunk : seq_lens[b];
-        const float *qb = q + ((int64_t)b * H + (int64_t)h * G) * d;
         const int64_t *table = block_tables + b * bt_stride;
-        float *acc = part + item * G * (d + 2), *mx = acc + G * d, *sum = mx + G;
-        switch (d) {
-            case 64: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 64, bs, scale, code); break;
-            case 128: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 128, bs, scale, code); break;
-            case 256: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 256, bs, scale, code); break;
-            default: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, d, bs, scale, code);
+        for (int h = 0; h < Hkv; h++) {
+            const float *qb = q + ((int64_t)b * H + (int64_t)h * G) * d;
+            float *acc = part + (first[b] * Hkv + h * nchunks + c) * G * (d + 2), *mx = acc + G * d, *sum = mx + G;
+            switch (d) {
+                case 64: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 64, bs, scale, code); break;
+                case 128: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 128, bs, scale, code); break;
+                case 256: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 256, bs, scale, code); break;
+                default: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, d, bs, scale, code);
+            }
         }
     }
     for (int b = 0; b < B; b++) {
-        const int64_t nchunks = (first[b + 1] - first[b]) / Hkv;
+        const int64_t nchunks = first[b + 1] - first[b];
         for (int h = 0; h < Hkv; h++)
             for (int g = 0; g < G; g++) {
-                const float *p0 = part + (first[b] + (int64_t)h * nchunks) * G * (d + 2);
+                const float *p0 = part + (first[b] * Hkv + (int64_t)h * nchunks) * G * (d + 2);
                 float M = -INFINITY, Z = 0.f;
                 for (int64_t c = 0; c < nchunks; c++) {
                     const float m = p0[c * G * (d + 2) + G * d + g];
