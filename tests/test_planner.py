@@ -294,6 +294,35 @@ def test_model_gemv_rate_counts_every_matrix_once(monkeypatch):
     assert pr.measure_model_gemv(model) == expected / 0.5
 
 
+def test_model_matmul_rate_counts_two_flops_per_weight_per_row(monkeypatch):
+    from kvserve.planner import probe as pr
+    from tests.conftest import tiny_llm
+
+    model = tiny_llm().engine.model
+    params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    params += model.embed_tokens.weight.numel() if model.lm_head is None else 0
+    monkeypatch.setattr(pr, "_best_time", lambda fn, repeats: (fn(), 0.25)[1])
+    assert pr.measure_model_matmul(model, rows=48) == 2 * 48 * params / 0.25
+
+
+def test_explain_predicts_ttft_at_each_contexts_chunk_rate():
+    """run_explain asks for the matmul rate at min(context, chunk) rows; a slower rate gives a longer
+    predicted TTFT (1 GFLOP/s makes the tiny model's prefill compute-bound)."""
+    from kvserve.llm import LLM
+    from kvserve.planner import probe as pr
+    from kvserve.planner.explain import run_explain
+
+    llm = LLM("tiny-llama", load_format="dummy", progress=False, kv_cache_memory="16MiB", max_model_len=256,
+              max_num_batched_tokens=32)
+    probe = pr.ProbeResult(2, 8e9, {"float32": 20e9}, {"float32": 1e12}, {"float32": 10e9}, 1e-3, 2e-4)
+    asked = []
+    fast = run_explain(llm, probe, [16, 64], 4, lambda rows: asked.append(rows) or 1e12)
+    slow = run_explain(llm, probe, [16, 64], 4, lambda rows: 1e9)
+    assert asked == [16, 32]  # the 64-token prompt runs in chunks of 32
+    for f, s in zip(fast, slow):
+        assert s.predicted_ttft_ms > 2 * f.predicted_ttft_ms
+
+
 def test_engine_overhead_probe_keeps_the_explained_models_head_shapes(monkeypatch):
     """``like=``: the overhead models have the explained model's heads and head_dim, width 64 otherwise."""
     import kvserve.llm

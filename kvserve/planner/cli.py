@@ -137,11 +137,18 @@ def cmd_explain(a: argparse.Namespace) -> int:
     # dense weights in the probed dtype: the probe measures float GEMVs, not the packed int4/int8 kernels
     llm = LLM(a.model, dtype=a.dtype, weight_dtype=a.dtype, max_model_len=max(a.contexts) + a.output_tokens + 16,
               progress=False)
-    from kvserve.planner.probe import measure_engine_overhead, measure_model_gemv
+    from kvserve.planner.probe import measure_engine_overhead, measure_model_gemv, measure_model_matmul
     probe.gemv_bytes_per_s[a.dtype] = measure_model_gemv(llm.engine.model)  # this model's own matrix shapes
     if not a.probe_overhead_generic:  # per-layer overhead at this model's head shapes
         probe.step_overhead_s, probe.overhead_per_layer_s = measure_engine_overhead(a.dtype, like=llm.engine.model_config)
-    rows = run_explain(llm, probe, a.contexts, a.output_tokens)
+    rates: dict[int, float] = {}
+
+    def matmul_flops_at(rows: int) -> float:  # the model's own GEMMs at this chunk size, measured once
+        if rows not in rates:
+            rates[rows] = measure_model_matmul(llm.engine.model, rows)
+        return rates[rows]
+
+    rows = run_explain(llm, probe, a.contexts, a.output_tokens, matmul_flops_at)
     print(format_explain(rows, probe, llm.engine.model_name))
     if a.plot:
         print(f"wrote {plot_explain(rows, llm, probe, a.output_tokens, a.plot)}", file=sys.stderr)

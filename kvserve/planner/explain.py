@@ -4,7 +4,7 @@ with the engine's own byte accounting (its StepStats) checked against the planne
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from kvserve.bench.latency import random_prompt
 from kvserve.metrics.stats import mean
@@ -62,15 +62,20 @@ def measure_context(llm, context_tokens: int, output_tokens: int) -> tuple[float
     return lat.ttft_ms - lat.tokenize_ms, lat.mean_itl_ms, mean([s.total_bytes for s in decode])
 
 
-def run_explain(llm, probe: ProbeResult, contexts: list[int], output_tokens: int) -> list[ExplainRow]:
-    """Measure each context (after one warm-up) and predict it on ``local`` from ``probe``."""
+def run_explain(llm, probe: ProbeResult, contexts: list[int], output_tokens: int,
+                matmul_flops_at=None) -> list[ExplainRow]:
+    """Measure each context (after one warm-up) and predict it on ``local`` from ``probe``.
+    ``matmul_flops_at(rows)``: FLOP/s of the model's matmuls for a prefill chunk of ``rows`` tokens
+    (e.g. :func:`kvserve.planner.probe.measure_model_matmul`); default: the probe's square-GEMM rate."""
     hw, eff = probe.hardware(), probe.efficiency()
     llm.generate([random_prompt(16, llm.engine.vocab_size, 0)], SamplingParams(max_tokens=4, ignore_eos=True))
+    chunk = llm.engine.config.scheduler.max_num_batched_tokens
     rows = []
     for ctx in contexts:
         ttft, itl, engine_bytes = measure_context(llm, ctx, output_tokens)
         shape, w = engine_workload(llm, ctx, output_tokens)
-        p = plan(shape, hw, eff, w)
+        hw_ctx = hw if matmul_flops_at is None else replace(hw, bf16_flops=matmul_flops_at(min(ctx, chunk)))
+        p = plan(shape, hw_ctx, eff, w)
         rows.append(ExplainRow(ctx, ttft, p.ttft_ms, itl, p.itl_ms, engine_bytes,
                                p.decode_mean.weight_bytes + p.decode_mean.kv_bytes))
     return rows

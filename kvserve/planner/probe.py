@@ -94,6 +94,24 @@ def measure_model_gemv(model: torch.nn.Module, repeats: int = 5) -> float:
     return sum(w.numel() * w.element_size() for w in mats) / _best_time(run, repeats)
 
 
+def measure_model_matmul(model: torch.nn.Module, rows: int, repeats: int = 2) -> float:
+    """FLOP/s of Y = X Wᵀ over a model's own matrices (every nn.Linear and the LM head) with ``rows``
+    rows of X, as a prefill chunk of ``rows`` tokens multiplies them: 2 · rows · Σ N·K FLOPs. SmolLM2's
+    576-wide matrices run well below a 2048² GEMM's rate, more so for short chunks; ``kvserve explain``
+    predicts each context's TTFT at the rate of its own chunk size."""
+    mats = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if getattr(model, "lm_head", None) is None and hasattr(model, "embed_tokens"):
+        mats.append(model.embed_tokens.weight)  # tied LM head
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in mats}
+
+    @torch.inference_mode()
+    def run():
+        for w in mats:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+
+    return 2 * rows * sum(w.numel() for w in mats) / _best_time(run, repeats)
+
+
 def measure_matmul(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
     """FLOP/s of an [n, n] × [n, n] GEMM: 2n³ FLOPs."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
