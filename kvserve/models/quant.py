@@ -31,10 +31,14 @@ logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32  # weights per scale: GGUF's block size
 KERNEL_DTYPE = torch.bfloat16
-# Steps of at least this many tokens (prefill chunks) multiply with a bfloat16 copy of the dequantized
-# weights: there the work is compute-bound, and bf16 GEMMs (AMX / AVX512-BF16) ran 4-10x faster than
-# the int4 kernel at 256-1024 rows on this project's machine. Decode steps read the packed weights.
-DENSE_MIN_TOKENS = 32
+# Steps of at least DENSE_MIN_TOKENS tokens (prefill chunks, large decode batches) multiply with a
+# bfloat16 copy of the dequantized weights: the int4/int8 kernels dequantize every weight again for each
+# few rows, so their time grows with the rows (SmolLM2's 30 layers: int4 4.8 ms at 1 row, 13 at 8, 25
+# at 16), while a bf16 GEMM (AMX / AVX512-BF16) stays near its weight-read time (~16 ms at 1-16 rows
+# with the copy prepacked in oneDNN's blocked layout, ~23 ms unpacked; 4-10x faster than int4 at 256+
+# rows). The copy is prepacked when oneDNN has bf16 here (the crossover is then ~12 rows), else plain.
+MKLDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+DENSE_MIN_TOKENS = 12 if MKLDNN_BF16 else 32
 
 
 @dataclass(slots=True)
@@ -99,7 +103,16 @@ class PackedLinear(nn.Module):
     def _finish(self, bias: torch.Tensor | None, dense_prefill: bool) -> None:
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         dense = self.dequantize().to(KERNEL_DTYPE) if dense_prefill else None  # [N, K] for prefill
+        self.dense_prepacked = dense is not None and MKLDNN_BF16
+        if self.dense_prepacked:  # oneDNN's blocked layout (an opaque mkldnn tensor), packed once
+            dense = torch.ops.mkldnn._reorder_linear_weight(dense, 16)
         self.register_buffer("dense", dense, persistent=False)
+
+    def _dense_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [T, K] bfloat16 times the bfloat16 copy of W: [T, N] bfloat16."""
+        if self.dense_prepacked:
+            return torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.dense, None, "none", [], "")
+        return F.linear(x2, self.dense)
 
     def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -112,7 +125,7 @@ class PackedLinear(nn.Module):
             return self._packed_mm(x)  # a decode step's rows: nothing to reshape or cast
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # [T, K]
-        y = F.linear(x2, self.dense) if self.dense is not None and x2.shape[0] >= DENSE_MIN_TOKENS else self._packed_mm(x2)
+        y = self._dense_mm(x2) if self.dense is not None and x2.shape[0] >= DENSE_MIN_TOKENS else self._packed_mm(x2)
         y = y.to(x.dtype) if self.bias is None else y.to(x.dtype) + self.bias
         return y.view(*lead, self.out_features)  # [..., N]
 
