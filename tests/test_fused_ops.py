@@ -183,3 +183,11 @@ def test_decode_plan_not_built_for_quantized_kv_cache():
     llm = tiny_llm(kv_cache_dtype="int8")
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert [p for _, p in llm.engine.runner.model._plans.values()] == [None]
+
+
+def test_rope_write_kv_head_dim_over_kernel_buffer_takes_reference_path():
+    """head_dim > 512 (the kernel's per-head buffer) must not reach the kernel."""
+    qkv, pos, rot, slots, (fast_c, ref_c), (H, Hkv, d) = _rope_case(torch.float32, torch.float32, T=2, H=2, Hkv=1, d=640)
+    q, k, v = fused_ops.rope_write_kv(qkv, pos, rot.cos, rot.sin, *fast_c, slots, H, Hkv, d)
+    rq, rk, rv = fused_ops.rope_write_kv_reference(qkv, pos, rot.cos, rot.sin, *ref_c, slots, H, Hkv, d)
+    assert torch.equal(q, rq) and torch.equal(k, rk) and all(torch.equal(a, b) for a, b in zip(fast_c, ref_c))

@@ -17,6 +17,7 @@ from kvserve.attention import kv_quant_kernel, write_kv
 from kvserve.models.rope import apply_rope
 
 ACT_CODES = {torch.float32: 3, torch.bfloat16: 4}
+MAX_ROPE_HEAD_DIM = 512  # the RoPE kernel rotates one head in a fixed 512-float buffer
 
 
 def _kernel(*tensors: torch.Tensor):
@@ -85,7 +86,8 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     T, H, Hkv, d = qkv.shape[0], num_heads, num_kv_heads, head_dim
     float_cache = isinstance(key_cache, torch.Tensor) and key_cache.dtype in ACT_CODES
     dll = None
-    if qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.dtype in ACT_CODES and qkv.device.type == "cpu":
+    if qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.dtype in ACT_CODES and qkv.device.type == "cpu" \
+            and d <= MAX_ROPE_HEAD_DIM:
         dll = _kernel(cos, sin, *((key_cache, value_cache) if float_cache else ()))
     if dll is None:
         return rope_write_kv_reference(qkv, positions, cos, sin, key_cache, value_cache, slot_mapping, H, Hkv, d)

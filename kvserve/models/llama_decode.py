@@ -15,9 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention import AttentionMetadata, kv_quant_kernel
-from kvserve.models.fused_ops import ACT_CODES
-
-MAX_HEAD_DIM = 512  # the RoPE kernel's per-head buffer
+from kvserve.models.fused_ops import ACT_CODES, MAX_ROPE_HEAD_DIM
 
 
 class LlamaDecodePlan:
@@ -51,7 +49,7 @@ class LlamaDecodePlan:
     def build(model, kv_caches) -> "LlamaDecodePlan | None":
         """The plan, or None when a part of the model or cache has no kernel here (the module path runs)."""
         dll = kv_quant_kernel.load()
-        if dll is None or model.config.head_dim > MAX_HEAD_DIM or model.embed_tokens.weight.dtype not in ACT_CODES:
+        if dll is None or model.config.head_dim > MAX_ROPE_HEAD_DIM or model.embed_tokens.weight.dtype not in ACT_CODES:
             return None
         for kc, vc in kv_caches:
             for c in (kc, vc):
