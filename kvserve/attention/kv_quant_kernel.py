@@ -32,7 +32,7 @@ def load() -> ctypes.CDLL | None:
     """The compiled library, or None (no compiler, build failure, or KVSERVE_NO_KV_KERNEL=1)."""
     if os.environ.get("KVSERVE_NO_KV_KERNEL") or not all(p.exists() for p in _SRCS):
         return None
-    src = b"".join(p.read_bytes() for p in _SRCS)
+    src = b"".join(p.read_bytes() for p in (*_SRCS, _SRCS[0].with_name("kernel_math.h")))  # the tag covers the header
     tag = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
     lib = cache / f"kv_quant_kernel_{tag}.so"

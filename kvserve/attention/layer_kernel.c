@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_math.h"
+
 void kvq_decode_attention(const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks,
                           const float *vs, const int64_t *block_tables, int64_t bt_stride,
                           const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
@@ -129,29 +131,12 @@ void kvs_add_rms_norm(void *x, const void *residual, const void *w, int w_code, 
     }
 }
 
-static inline float exp_nonpos_l(float x) {  /* e^x, x <= 0: same polynomial as kv_quant_kernel.c */
-    const float xc = x < -87.f ? -87.f : x;
-    const float nn = floorf(xc * 1.44269504088896341f + 0.5f);
-    const float r = xc - nn * 0.693359375f + nn * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const uint32_t bits = (uint32_t)((int32_t)nn + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return x < -87.f ? 0.f : p * scale;
-}
-
 static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, void *out, int64_t t, int I,
                                                                const int act) {
     const int64_t r = t * 2 * (int64_t)I;
     for (int i = 0; i < I; i++) {
         const float g = load(gu, r + i, act), u = load(gu, r + I + i, act);
-        const float e = exp_nonpos_l(-fabsf(g));  /* e^-|g|: sigmoid without overflow */
+        const float e = exp_nonpos(-fabsf(g));  /* e^-|g|: sigmoid without overflow */
         const float sig = (g >= 0.f ? 1.f : e) / (1.f + e);
         store(out, t * (int64_t)I + i, round_to(g * sig, act) * u, act);
     }
