@@ -80,6 +80,12 @@ def test_slot_mapping_is_block_id_times_block_size_plus_offset():
     assert meta.seq_lens.tolist() == [5] and meta.query_start_loc.tolist() == [0, 3]
 
 
+def test_decode_with_128_query_heads_per_kv_head(decode_path):
+    """No limit on the group size: 128 query heads sharing one KV head, decode and mixed steps."""
+    fast, ref = _run(128, 1, [9, 30, 0], [1, 1, 4])
+    assert (fast - ref).abs().max() < TOL
+
+
 def test_gqa_does_not_repeat_kv(monkeypatch):
     """The fast path must never call repeat_interleave/repeat on K or V."""
     calls = []

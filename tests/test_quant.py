@@ -151,6 +151,21 @@ def test_shapes_the_int4_packing_cannot_take_stay_float():
     assert isinstance(model.a, nn.Linear) and isinstance(model.b, Int4Linear) and isinstance(model.c, nn.Linear)
 
 
+@pytest.mark.parametrize("shape", [dict(hidden_size=72), dict(vocab_size=49150)], ids=["hidden72", "vocab49150"])
+def test_tied_lm_head_the_int4_packing_cannot_take_stays_float(shape):
+    """A tied LM head (the embedding table) follows the same packing rule as every other matrix."""
+    from kvserve import SamplingParams
+    from kvserve.models.catalog import DUMMY_PRESETS
+    from tests.conftest import tiny_llm
+
+    cfg = DUMMY_PRESETS["tiny-llama"].replace(tie_word_embeddings=True, head_dim=18 if "hidden_size" in shape else 16,
+                                              **shape)
+    llm = tiny_llm(weight_dtype="int4", dummy_config=cfg)
+    assert llm.engine.runner.model.lm_head is None  # the head stayed the float embedding table
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 3
+
+
 def test_block_quant_rows_permute_together():
     b = BlockQuant(np.arange(4 * 64, dtype=np.uint8).reshape(4, 64) % 16,
                    np.arange(8, dtype=np.float32).reshape(4, 2), np.zeros((4, 2), np.float32))

@@ -131,3 +131,20 @@ def test_manager_frees_blocks_out_of_the_window():
     assert kv.num_blocks_of("a") == 64 - kv.num_free_blocks
     kv.free("a")
     assert kv.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("types", [("sliding_attention", "full_attention"), ("sliding_attention", "sliding_attention")],
+                         ids=["mixed", "all-sliding"])
+def test_llama_with_a_window_longer_than_any_context_equals_full_attention(types):
+    """A Llama/Mistral-style config with sliding layers (per-layer metadata for mixed layer types;
+    prefix caching turned off) gives the full-attention model's tokens when the window covers every context."""
+    from kvserve import SamplingParams
+    from kvserve.models.catalog import DUMMY_PRESETS
+    from tests.conftest import tiny_llm
+
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], list(range(10, 70))]
+    full = tiny_llm().generate(prompts, sp)
+    cfg = DUMMY_PRESETS["tiny-llama"].replace(sliding_window=4096, layer_types=types)
+    windowed = tiny_llm(dummy_config=cfg, max_num_batched_tokens=32).generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in full] == [o.outputs[0].token_ids for o in windowed]

@@ -69,7 +69,7 @@ def decode_attention(dll: ctypes.CDLL, q: torch.Tensor, k_codes: torch.Tensor, v
     block_tables: [B, max_blocks] int64; seq_lens: [B] int64. Returns [B, H, d] float32."""
     B, H, d = q.shape
     _, bs, Hkv, _ = k_codes.shape
-    assert H // Hkv <= 64 and q.dtype == torch.float32
+    assert q.dtype == torch.float32
     q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(q)
     dll.kvq_decode_attention(q.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(), k_scale.data_ptr(),
@@ -88,7 +88,7 @@ def float_decode_attention(dll: ctypes.CDLL, q: torch.Tensor, key_cache: torch.T
     B, H, d = q.shape
     _, bs, Hkv, _ = key_cache.shape
     kind = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[key_cache.dtype]
-    assert H // Hkv <= 64 and q.dtype == torch.float32 and key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert q.dtype == torch.float32 and key_cache.is_contiguous() and value_cache.is_contiguous()
     q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(q)
     dll.kvq_decode_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), None, None,
@@ -104,7 +104,7 @@ def act_decode_attention(dll: ctypes.CDLL, q: torch.Tensor, key_cache: torch.Ten
     dtype: the same float32 computation, with the casts done inside the kernel call."""
     B, H, d = q.shape
     _, bs, Hkv, _ = key_cache.shape
-    assert H // Hkv <= 64 and key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
     q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(q)
     dll.kvs_decode_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),

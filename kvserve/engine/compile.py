@@ -22,7 +22,9 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     if layers is None:
         return 0
     from kvserve.models.llama import LlamaForCausalLM
+    from kvserve.models.quant import unpack_dense
 
+    unpack_dense(model)  # Inductor cannot lower oneDNN's opaque prepacked weights
     if isinstance(model, LlamaForCausalLM):
         model.use_decode_plan = False  # the flat decode loop would bypass the compiled layers
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

@@ -108,7 +108,7 @@ class LLMEngine:
 
     def _prefix_caching(self) -> bool:
         """Whether prefix caching is on: as configured, except for models with sliding-window layers."""
-        if self.config.cache.enable_prefix_caching and len(self.kv_spec.groups) > 1:
+        if self.config.cache.enable_prefix_caching and any(g.sliding_window for g in self.kv_spec.groups):
             logger.warning("prefix caching is off for %s: its sliding-window layers free the blocks that leave "
                            "their window, so a cached prefix would lack them", self.model_name)
             return False

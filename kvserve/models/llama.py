@@ -6,7 +6,7 @@ Q/K/V and gate/up projections are fused into one matmul each.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -105,17 +105,20 @@ class LlamaForCausalLM(nn.Module):
         self._plans: dict[int, tuple[list[KVCache], LlamaDecodePlan | None]] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        if meta.num_decodes == len(meta.seq_lens_list) and not meta.sliding_window and self.use_decode_plan \
-                and not torch.compiler.is_compiling():
+                meta: AttentionMetadata | Sequence[AttentionMetadata]) -> torch.Tensor:
+        """``meta``: one AttentionMetadata for all layers, or one per layer (sliding and full layers in
+        separate KV cache groups, e.g. a Mistral/Qwen2 config with mixed ``layer_types``)."""
+        metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
+        if not isinstance(meta, (list, tuple)) and meta.num_decodes == len(meta.seq_lens_list) \
+                and not meta.sliding_window and self.use_decode_plan and not torch.compiler.is_compiling():
             plan = self.decode_plan(kv_caches)
             if plan is not None:
                 return plan(input_ids, positions, meta)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = (positions, self.rotary_emb.cos, self.rotary_emb.sin)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(rope, x, residual, kv_cache, meta)
+        for layer, kv_cache, m in zip(self.layers, kv_caches, metas):
+            x, residual = layer(rope, x, residual, kv_cache, m)
         return self.norm(x, residual)[0]
 
     def decode_plan(self, kv_caches: list[KVCache]) -> LlamaDecodePlan | None:

@@ -241,6 +241,23 @@ def _int4_from(linear_weight: torch.Tensor, parts: list[tuple[int, SourceQuant]]
     return quantize_int4_minmax(linear_weight)
 
 
+def int4_packable(out_features: int, in_features: int) -> bool:
+    """The int4 packing needs whole groups of 32 inputs and outputs in multiples of 16."""
+    return in_features % GROUP_SIZE == 0 and out_features % 16 == 0
+
+
+def unpack_dense(model: nn.Module) -> int:
+    """Turn the prepacked (opaque oneDNN) dense copies of ``model``'s packed layers back into plain
+    bfloat16 tensors, for code that traces the model (torch.compile cannot lower mkldnn tensors).
+    Returns how many layers changed."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, PackedLinear) and mod.dense_prepacked:
+            mod.dense, mod.dense_prepacked = mod.dequantize().to(KERNEL_DTYPE), False
+            n += 1
+    return n
+
+
 def quantize_model(model: nn.Module, weight_dtype: str, sources: dict[str, SourceQuant] | None = None) -> dict[str, int]:
     """Replace ``model``'s nn.Linear layers (and a tied LM head) by packed int4/int8 layers in place.
 
@@ -260,8 +277,8 @@ def quantize_model(model: nn.Module, weight_dtype: str, sources: dict[str, Sourc
         kinds = {src.type_name for _, src in parts}
         source = kinds.pop() if len(kinds) == 1 else None
         kind = _choose(weight_dtype, source)
-        if kind == "int4" and (mod.in_features % GROUP_SIZE or mod.out_features % 16):
-            kind = "float"  # the int4 packing needs whole groups of 32 inputs and outputs in 16s
+        if kind == "int4" and not int4_packable(mod.out_features, mod.in_features):
+            kind = "float"
         counts[kind] += 1
         if kind != "float":
             new = Int4Linear(_int4_from(mod.weight, parts), mod.bias) if kind == "int4" else Int8Linear(mod.weight, mod.bias)
@@ -271,6 +288,8 @@ def quantize_model(model: nn.Module, weight_dtype: str, sources: dict[str, Sourc
     if getattr(model, "lm_head", "absent") is None and embed is not None:  # tied: the table is the LM head
         src = sources.get("model.embed_tokens.weight")
         kind = _choose(weight_dtype, src.type_name if src else None)
+        if kind == "int4" and not int4_packable(*embed.weight.shape):
+            kind = "float"
         if kind != "float":
             model.lm_head = (Int8Linear(embed.weight) if kind == "int8" else
                              Int4Linear(_int4_from(embed.weight, [(0, src)] if src else [])))
