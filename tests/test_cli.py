@@ -97,3 +97,20 @@ def test_bench_kv_slope_is_extra_bytes_over_extra_time():
     rows = [ContextResult(128, 1, 10.0, 10.0, 10, 100e6, 1, 1), ContextResult(4096, 1, 15.0, 14.0, 15, 180e6, 1, 1)]
     assert abs(kv_slope_gb_per_s(LatencyReport("m", "f", 20.0, contexts=rows)) - 20.0) < 1e-9  # 80 MB / 4 ms
     assert kv_slope_gb_per_s(LatencyReport("m", "f", 20.0, contexts=rows[:1])) is None
+
+
+@pytest.mark.parametrize("env,expected", [({}, "2000"), ({"GOMP_SPINCOUNT": "5"}, "5"),
+                                          ({"OMP_WAIT_POLICY": "PASSIVE"}, "None"),
+                                          ({"KVSERVE_OMP_DEFAULTS": "1"}, "None")])
+def test_import_sets_a_short_openmp_spin_unless_the_user_chose(env, expected):
+    """libgomp's default spin made decode ~18x slower with one of 2 cores busy; kvserve shortens it
+    unless the user set a wait policy or a spin count (or asked for libgomp's defaults)."""
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KVSERVE_OMP_DEFAULTS")}
+    out = subprocess.run([sys.executable, "-c", "import os, kvserve; print(os.environ.get('GOMP_SPINCOUNT'))"],
+                         env={**base, **env}, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == expected

@@ -43,14 +43,20 @@ def run_llamacpp_in_subprocess(source: ModelSource, contexts: list[int], output_
     thread pool never shares the cores with torch's (two runtimes in one process slowed both here).
     Returns {context: {"ttft_ms", "itl_ms"}}. ConfigError if the peer cannot run."""
     import json
+    import os
     import subprocess
     import sys
+
+    import kvserve
 
     if source.kind != "gguf":
         raise ConfigError(f"--compare llama.cpp needs a GGUF model file, got a {source.kind} model ({source.name})")
     args = [sys.executable, "-m", "kvserve.bench.llamacpp_peer", source.path, str(output_tokens), str(vocab_size),
             str(n_threads), *map(str, contexts)]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=3600)
+    env = dict(os.environ, KVSERVE_OMP_DEFAULTS="1")  # llama.cpp's OpenMP with libgomp's own spin default
+    if kvserve.SET_GOMP_SPINCOUNT:
+        env.pop("GOMP_SPINCOUNT", None)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=3600, env=env)
     if proc.returncode != 0:
         raise ConfigError(f"llama.cpp peer failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
     return {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
