@@ -151,12 +151,16 @@ def test_rope_write_kv_without_kv_outputs_writes_the_same_cache(dtype):
     assert all(torch.equal(a, b) for a, b in zip(fast_c, ref_c))
 
 
-@pytest.mark.parametrize("dtype,weight_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"),
-                                                ("bfloat16", "int4"), ("bfloat16", "int8"), ("float32", "int4")])
-def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype):
+@pytest.mark.parametrize("dtype,weight_dtype,bias", [("float32", "float32", False), ("bfloat16", "bfloat16", False),
+                                                     ("bfloat16", "int4", False), ("bfloat16", "int8", False),
+                                                     ("float32", "int4", False), ("float32", "int8", True),
+                                                     ("bfloat16", "int4", True)])
+def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias):
     """The flat decode loop (llama_decode.py) against the modules' forward: same tokens and the very same
-    logprobs for a batch of decodes of different lengths (the plan runs the same kernels in the same order)."""
+    logprobs for a batch of decodes of different lengths (the plan runs the same kernels in the same order;
+    a float32 model's packed layers get their bfloat16 inputs straight from the kernels). With q/k/v bias."""
     from kvserve import SamplingParams
+    from kvserve.models.catalog import DUMMY_PRESETS
     from kvserve.models.llama_decode import LlamaDecodePlan
     from tests.conftest import tiny_llm
 
@@ -164,7 +168,8 @@ def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype):
     sp = SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
     results = []
     for use_plan in (True, False):
-        llm = tiny_llm(dtype=dtype, weight_dtype=weight_dtype, max_num_batched_tokens=64)
+        llm = tiny_llm(dtype=dtype, weight_dtype=weight_dtype, max_num_batched_tokens=64,
+                       dummy_config=DUMMY_PRESETS["tiny-llama"].replace(attention_bias=bias))
         model = llm.engine.runner.model
         model.use_decode_plan = use_plan
         outs = [o.outputs[0] for o in llm.generate(prompts, sp)]

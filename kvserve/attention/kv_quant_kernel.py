@@ -52,10 +52,10 @@ def load() -> ctypes.CDLL | None:
     dll.kvq_decode_attention.restype = None
     dll.kvq_dequantize.argtypes = [p, p, p, i64, i32, i32, i32]
     dll.kvq_dequantize.restype = None
-    dll.kvs_rope_write_kv.argtypes = [p, i64, p, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, i32]
-    dll.kvs_add_rms_norm.argtypes = [p, p, p, i32, f32, p, i64, i32, i32, i32]
-    dll.kvs_silu_mul.argtypes = [p, p, i64, i32, i32, i32]
-    dll.kvs_decode_attention.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, i32, i32]
+    dll.kvs_rope_write_kv.argtypes = [p, i32, i64, p, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, i32]
+    dll.kvs_add_rms_norm.argtypes = [p, p, i32, p, i32, f32, p, i32, i64, i32, i32, i32]
+    dll.kvs_silu_mul.argtypes = [p, i32, p, i32, i64, i32, i32, i32]
+    dll.kvs_decode_attention.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, i32, f32, i32, i32, i32]
     for f in (dll.kvs_rope_write_kv, dll.kvs_add_rms_norm, dll.kvs_silu_mul, dll.kvs_decode_attention):
         f.restype = None
     return dll
@@ -107,9 +107,10 @@ def act_decode_attention(dll: ctypes.CDLL, q: torch.Tensor, key_cache: torch.Ten
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
     q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(q)
+    act = CODES[_KINDS[q.dtype]]
     dll.kvs_decode_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-                             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), B, H, Hkv, d, bs, scale,
-                             CODES[_KINDS[key_cache.dtype]], CODES[_KINDS[q.dtype]], torch.get_num_threads())
+                             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), act, B, H, Hkv, d, bs, scale,
+                             CODES[_KINDS[key_cache.dtype]], act, torch.get_num_threads())
     return out
 
 

@@ -48,14 +48,15 @@ static inline float round_to(float v, int code) { return code == 3 ? v : bf16_to
 
 static inline __attribute__((always_inline, optimize("fp-contract=off"))) void rope_row(
         const void *qkv, int64_t row, const float *c, const float *s, void *q_out, void *k_out, void *key_cache,
-        void *value_cache, int64_t t, int64_t slot, int H, int Hkv, int d, const int act, const int cache_code) {
+        void *value_cache, int64_t t, int64_t slot, int H, int Hkv, int d, const int in, const int act,
+        const int cache_code) {
     const int half = d / 2;
     float rot[512];  /* one rotated head (d <= 512) */
     for (int h = 0; h < H + Hkv; h++) {
         const int64_t src = row + (int64_t)h * d;
         for (int i = 0; i < half; i++) {
             const float ci = round_to(c[i], act), si = round_to(s[i], act);
-            const float x1 = load(qkv, src + i, act), x2 = load(qkv, src + half + i, act);
+            const float x1 = load(qkv, src + i, in), x2 = load(qkv, src + half + i, in);
             rot[i] = round_to(round_to(x1 * ci, act) - round_to(x2 * si, act), act);
             rot[half + i] = round_to(round_to(x2 * ci, act) + round_to(x1 * si, act), act);
         }
@@ -70,16 +71,21 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
     }
     for (int h = 0; value_cache && h < Hkv; h++)
         for (int i = 0; i < d; i++)
-            store(value_cache, (slot * Hkv + h) * d + i, load(qkv, row + (int64_t)(H + Hkv + h) * d + i, act), cache_code);
+            store(value_cache, (slot * Hkv + h) * d + i,
+                  round_to(load(qkv, row + (int64_t)(H + Hkv + h) * d + i, in), act), cache_code);
 }
 
 /* Rotate-half RoPE of the first H + Hkv heads of each qkv row: queries to q_out [T, H, d], keys to
- * k_out [T, Hkv, d] (activation dtype; NULL: not returned) and to key_cache at slot_mapping[t]; the V
- * heads (qkv[:, (H + Hkv) d:]) to value_cache ([num_slots, Hkv, d] in cache_code 3 or 4; NULL caches:
- * not stored). qkv: [T, row_stride] elements; cos/sin: [max_positions, d/2] float32 tables.
+ * k_out [T, Hkv, d] (activation dtype `act`; NULL: not returned) and to key_cache at slot_mapping[t];
+ * the V heads (qkv[:, (H + Hkv) d:]) to value_cache ([num_slots, Hkv, d] in cache_code 3 or 4; NULL
+ * caches: not stored). qkv: [T, row_stride] elements in code `in` (read as the activation dtype would
+ * hold them); cos/sin: [max_positions, d/2] float32 tables.
  * o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin, each product rounded to the activation dtype. d <= 512. */
+#define ROPE_CASE(IN, ACT, CC) \
+    if (in == IN && act == ACT && cache_code == CC) { \
+        rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, t, slot, H, Hkv, d, IN, ACT, CC); continue; }
 __attribute__((optimize("fp-contract=off")))
-void kvs_rope_write_kv(const void *qkv, int64_t row_stride, const int64_t *positions, const float *cos_t,
+void kvs_rope_write_kv(const void *qkv, int in, int64_t row_stride, const int64_t *positions, const float *cos_t,
                        const float *sin_t, void *q_out, void *k_out, void *key_cache, void *value_cache,
                        const int64_t *slot_mapping, int64_t T, int H, int Hkv, int d, int act,
                        int cache_code, int num_threads) {
@@ -88,24 +94,18 @@ void kvs_rope_write_kv(const void *qkv, int64_t row_stride, const int64_t *posit
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_t + positions[t] * half, *s = sin_t + positions[t] * half;
         const int64_t row = t * row_stride, slot = slot_mapping[t];
-        if (act == 4 && cache_code == 4)
-            rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, t, slot, H, Hkv, d, 4, 4);
-        else if (act == 4)
-            rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, t, slot, H, Hkv, d, 4, 3);
-        else if (cache_code == 4)
-            rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, t, slot, H, Hkv, d, 3, 4);
-        else
-            rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, t, slot, H, Hkv, d, 3, 3);
+        ROPE_CASE(4, 4, 4) ROPE_CASE(4, 4, 3) ROPE_CASE(3, 3, 3) ROPE_CASE(3, 3, 4)
+        ROPE_CASE(4, 3, 3) ROPE_CASE(4, 3, 4) ROPE_CASE(3, 4, 4) ROPE_CASE(3, 4, 3)
     }
 }
 
 static inline __attribute__((always_inline)) void rms_norm_row(
-        void *x, const void *residual, const void *w, int w_code, float eps, void *out, int64_t r, int n,
-        const int act) {
+        void *x, const void *residual, int res_code, const void *w, int w_code, float eps, void *out, int out_code,
+        int64_t r, int n, const int act) {
     float ss = 0.f;
     if (residual) {
         for (int i = 0; i < n; i++) {
-            const float v = round_to(load(x, r + i, act) + load(residual, r + i, act), act);
+            const float v = round_to(load(x, r + i, act) + load(residual, r + i, res_code), act);
             store(x, r + i, v, act);
             ss += v * v;
         }
@@ -113,60 +113,62 @@ static inline __attribute__((always_inline)) void rms_norm_row(
         for (int i = 0; i < n; i++) { const float v = load(x, r + i, act); ss += v * v; }
     }
     const float inv = 1.f / sqrtf(ss / (float)n + eps);
-    if (w_code == 3)
-        for (int i = 0; i < n; i++) store(out, r + i, load(x, r + i, act) * inv * ((const float *)w)[i], act);
-    else
-        for (int i = 0; i < n; i++) store(out, r + i, load(x, r + i, act) * inv * load(w, i, 4), act);
+    for (int i = 0; i < n; i++)
+        store(out, r + i, round_to(load(x, r + i, act) * inv * load(w, i, w_code), act), out_code);
 }
 
-/* RMSNorm (Zhang & Sennrich 2019) of each row of x [T, n], optionally after x += residual (x is updated
- * in place, rounded to the activation dtype, as eager `x + residual` would be): out = x / sqrt(mean(x^2)
- * + eps) * w, in float32, rounded once to the activation dtype. w: [n] in w_code (3 or 4). */
-void kvs_add_rms_norm(void *x, const void *residual, const void *w, int w_code, float eps, void *out,
-                      int64_t T, int n, int act, int num_threads) {
+/* RMSNorm (Zhang & Sennrich 2019) of each row of x [T, n] (activation dtype `act`), optionally after
+ * x += residual (residual in res_code; x is updated in place, rounded to the activation dtype, as eager
+ * `x + residual` would be): out = x / sqrt(mean(x^2) + eps) * w, in float32, rounded to the activation
+ * dtype and stored in out_code (bfloat16 out of a float32 model = the eager result cast to bf16).
+ * w: [n] in w_code (3 or 4). */
+void kvs_add_rms_norm(void *x, const void *residual, int res_code, const void *w, int w_code, float eps, void *out,
+                      int out_code, int64_t T, int n, int act, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 16)
     for (int64_t t = 0; t < T; t++) {
-        if (act == 4) rms_norm_row(x, residual, w, w_code, eps, out, t * n, n, 4);
-        else rms_norm_row(x, residual, w, w_code, eps, out, t * n, n, 3);
+        if (act == 4) rms_norm_row(x, residual, res_code, w, w_code, eps, out, out_code, t * n, n, 4);
+        else rms_norm_row(x, residual, res_code, w, w_code, eps, out, out_code, t * n, n, 3);
     }
 }
 
-static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, void *out, int64_t t, int I,
-                                                               const int act) {
+static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, int in, void *out, int out_code,
+                                                               int64_t t, int I, const int act) {
     const int64_t r = t * 2 * (int64_t)I;
     for (int i = 0; i < I; i++) {
-        const float g = load(gu, r + i, act), u = load(gu, r + I + i, act);
+        const float g = round_to(load(gu, r + i, in), act), u = round_to(load(gu, r + I + i, in), act);
         const float e = exp_nonpos(-fabsf(g));  /* e^-|g|: sigmoid without overflow */
         const float sig = (g >= 0.f ? 1.f : e) / (1.f + e);
-        store(out, t * (int64_t)I + i, round_to(g * sig, act) * u, act);
+        store(out, t * (int64_t)I + i, round_to(round_to(g * sig, act) * u, act), out_code);
     }
 }
 
 /* SwiGLU's elementwise part: out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g * sigmoid(g) rounded
- * to the activation dtype before the product (as eager F.silu(gate) * up). gu: [T, 2I]; out: [T, I]. */
-void kvs_silu_mul(const void *gu, void *out, int64_t T, int I, int act, int num_threads) {
+ * to the activation dtype before the product (as eager F.silu(gate) * up). gu: [T, 2I] in code `in`;
+ * out: [T, I] in out_code (the activation dtype's result, cast). */
+void kvs_silu_mul(const void *gu, int in, void *out, int out_code, int64_t T, int I, int act, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 16)
     for (int64_t t = 0; t < T; t++) {
-        if (act == 4) silu_mul_row(gu, out, t, I, 4);
-        else silu_mul_row(gu, out, t, I, 3);
+        if (act == 4) silu_mul_row(gu, in, out, out_code, t, I, 4);
+        else silu_mul_row(gu, in, out, out_code, t, I, 3);
     }
 }
 
-/* kvq_decode_attention on activations in `act` (3 or 4): q [B, H, d] and out [B, H, d] in that dtype,
- * converted to float32 around the float32 kernel (exactly what q.float() / .to(dtype) would give). */
+/* kvq_decode_attention on q [B, H, d] in `act` (3 or 4), out [B, H, d] stored in out_code: the
+ * float32 kernel with exact casts around it (out = the float32 result rounded to act, then cast). */
 void kvs_decode_attention(const void *q, const uint8_t *kc, const uint8_t *vc, const int64_t *block_tables,
-                          int64_t bt_stride, const int64_t *seq_lens, void *out, int B, int H, int Hkv, int d,
-                          int bs, float scale, int cache_code, int act, int num_threads) {
+                          int64_t bt_stride, const int64_t *seq_lens, void *out, int out_code, int B, int H, int Hkv,
+                          int d, int bs, float scale, int cache_code, int act, int num_threads) {
     const int64_t n = (int64_t)B * H * d;
     float *qf = act == 3 ? (float *)q : malloc(sizeof(float) * (size_t)n);
-    float *of = act == 3 ? (float *)out : malloc(sizeof(float) * (size_t)n);
+    float *of = out_code == 3 ? (float *)out : malloc(sizeof(float) * (size_t)n);
     if (act != 3)
         for (int64_t i = 0; i < n; i++) qf[i] = load(q, i, act);
     kvq_decode_attention(qf, kc, vc, NULL, NULL, block_tables, bt_stride, seq_lens, of, B, H, Hkv, d, bs, scale,
                          cache_code, num_threads);
-    if (act != 3) {
-        for (int64_t i = 0; i < n; i++) store(out, i, of[i], act);
-        free(qf);
-        free(of);
-    }
+    if (out_code != 3)
+        for (int64_t i = 0; i < n; i++) store(out, i, round_to(of[i], act), out_code);
+    else if (act != 3)
+        for (int64_t i = 0; i < n; i++) of[i] = round_to(of[i], act);
+    if (act != 3) free(qf);
+    if (out_code != 3) free(of);
 }

@@ -43,8 +43,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         s = x if residual is None else x + residual
         return rms_norm_reference(s, weight, eps), s
     out = torch.empty_like(x)
-    dll.kvs_add_rms_norm(stream.data_ptr(), None if residual is None else x.data_ptr(), weight.data_ptr(),
-                         ACT_CODES[weight.dtype], eps, out.data_ptr(), x.shape[0], x.shape[1], ACT_CODES[x.dtype],
+    act = ACT_CODES[x.dtype]
+    dll.kvs_add_rms_norm(stream.data_ptr(), None if residual is None else x.data_ptr(), act, weight.data_ptr(),
+                         ACT_CODES[weight.dtype], eps, out.data_ptr(), act, x.shape[0], x.shape[1], act,
                          torch.get_num_threads())
     return out, stream
 
@@ -61,8 +62,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul_reference(gate_up)
     T, two_i = gate_up.shape
     out = torch.empty(T, two_i // 2, dtype=gate_up.dtype)
-    dll.kvs_silu_mul(gate_up.data_ptr(), out.data_ptr(), T, two_i // 2, ACT_CODES[gate_up.dtype],
-                     torch.get_num_threads())
+    act = ACT_CODES[gate_up.dtype]
+    dll.kvs_silu_mul(gate_up.data_ptr(), act, out.data_ptr(), act, T, two_i // 2, act, torch.get_num_threads())
     return out
 
 
@@ -94,7 +95,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     q = torch.empty(T, H, d, dtype=qkv.dtype)
     k = torch.empty(T, Hkv, d, dtype=qkv.dtype) if need_kv or not float_cache else None
     caches = (key_cache.data_ptr(), value_cache.data_ptr(), ACT_CODES[key_cache.dtype]) if float_cache else (None, None, 3)
-    dll.kvs_rope_write_kv(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+    dll.kvs_rope_write_kv(qkv.data_ptr(), ACT_CODES[qkv.dtype], qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                           q.data_ptr(), None if k is None else k.data_ptr(), caches[0], caches[1],
                           slot_mapping.data_ptr(), T, H, Hkv, d, ACT_CODES[qkv.dtype], caches[2], torch.get_num_threads())
     if k is None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from kvserve.attention import AttentionMetadata, kv_quant_kernel
 from kvserve.models.fused_ops import ACT_CODES, MAX_ROPE_HEAD_DIM
+from kvserve.models.quant import KERNEL_DTYPE, PackedLinear
 
 
 class LlamaDecodePlan:
@@ -34,14 +35,15 @@ class LlamaDecodePlan:
         self.cos, self.sin = model.rotary_emb.cos, model.rotary_emb.sin
         self.final_norm = model.norm.weight
         self.caches = kv_caches  # kept alive: the plan holds their data pointers
+        act = self.embed.dtype
         self.layers = []
         for layer, (kc, vc) in zip(model.layers, kv_caches):
-            a, mlp = layer.self_attn, layer.mlp
-            self.layers.append((layer.input_layernorm.weight.data_ptr(), ACT_CODES[layer.input_layernorm.weight.dtype],
-                                a.qkv_proj.forward, kc.data_ptr(), vc.data_ptr(), a.o_proj.forward,
-                                layer.post_attention_layernorm.weight.data_ptr(),
-                                ACT_CODES[layer.post_attention_layernorm.weight.dtype],
-                                mlp.gate_up_proj.forward, mlp.down_proj.forward))
+            a, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+            self.layers.append((n1.weight.data_ptr(), ACT_CODES[n1.weight.dtype], a.qkv_proj.forward,
+                                _input_dtype(a.qkv_proj, act), kc.data_ptr(), vc.data_ptr(), a.o_proj.forward,
+                                _input_dtype(a.o_proj, act), n2.weight.data_ptr(), ACT_CODES[n2.weight.dtype],
+                                mlp.gate_up_proj.forward, _input_dtype(mlp.gate_up_proj, act), mlp.down_proj.forward,
+                                _input_dtype(mlp.down_proj, act)))
         self.cache_code = ACT_CODES[kv_caches[0][0].dtype]
         self.block_size = kv_caches[0][0].shape[1]
 
@@ -65,30 +67,47 @@ class LlamaDecodePlan:
         dll, H, Hkv, d, n, inter, eps = self.dll, self.H, self.Hkv, self.d, self.hidden, self.inter, self.eps
         B = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)  # [B, hidden]: the residual stream, updated in place
-        dt = x.dtype
-        act, cc, nt = ACT_CODES[dt], self.cache_code, torch.get_num_threads()
-        h = torch.empty_like(x)  # normed input of each matmul block
-        q = torch.empty(B, H, d, dtype=dt)
-        o = torch.empty(B, H * d, dtype=dt)  # attention output
-        g = torch.empty(B, inter, dtype=dt)  # silu(gate) * up
-        xp, hp, qp, op, gp = x.data_ptr(), h.data_ptr(), q.data_ptr(), o.data_ptr(), g.data_ptr()
+        act, cc, nt = ACT_CODES[x.dtype], self.cache_code, torch.get_num_threads()
+        # matmul inputs in the dtype each layer multiplies in (bf16 for packed layers of a float32 model:
+        # the kernels write the float32 result cast to bf16, as the layer would cast it)
+        bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+        def buf(name: str, dt: torch.dtype, width: int) -> tuple[int, int]:
+            if (name, dt) not in bufs:
+                bufs[name, dt] = torch.empty(B, width, dtype=dt)
+            return bufs[name, dt].data_ptr(), ACT_CODES[dt]
+
+        q = torch.empty(B, H, d, dtype=x.dtype)
+        xp, qp = x.data_ptr(), q.data_ptr()
         pos, slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
         tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
         bt, bts, sl = tables.data_ptr(), tables.stride(0), seq_lens.data_ptr()
         cos, sin = self.cos.data_ptr(), self.sin.data_ptr()
         norm, rope, attend, silu = dll.kvs_add_rms_norm, dll.kvs_rope_write_kv, dll.kvs_decode_attention, dll.kvs_silu_mul
         delta = None  # the previous layer's MLP output, added to the stream by the next norm
-        for nw, nwc, qkv_proj, kc, vc, o_proj, pw, pwc, gate_up_proj, down_proj in self.layers:
-            norm(xp, None if delta is None else delta.data_ptr(), nw, nwc, eps, hp, B, n, act, nt)
-            qkv = qkv_proj(h)  # [B, (H + 2 Hkv) d]
-            rope(qkv.data_ptr(), qkv.stride(0), pos, cos, sin, qp, None, kc, vc, slots, B, H, Hkv, d, act, cc, nt)
-            attend(qp, kc, vc, bt, bts, sl, op, B, H, Hkv, d, self.block_size, self.scale, cc, act, nt)
-            a = o_proj(o)  # [B, hidden]
-            norm(xp, a.data_ptr(), pw, pwc, eps, hp, B, n, act, nt)
-            gu = gate_up_proj(h)  # [B, 2 I]
-            silu(gu.data_ptr(), gp, B, inter, act, nt)
-            delta = down_proj(g)  # [B, hidden]
+        for (nw, nwc, qkv_proj, qkv_in, kc, vc, o_proj, o_in, pw, pwc, gate_up_proj, gu_in, down_proj,
+             down_in) in self.layers:
+            hp, hc = buf("h", qkv_in, n)
+            norm(xp, None if delta is None else delta.data_ptr(), act if delta is None else ACT_CODES[delta.dtype],
+                 nw, nwc, eps, hp, hc, B, n, act, nt)
+            qkv = qkv_proj(bufs["h", qkv_in])  # [B, (H + 2 Hkv) d]
+            rope(qkv.data_ptr(), ACT_CODES[qkv.dtype], qkv.stride(0), pos, cos, sin, qp, None, kc, vc, slots, B, H,
+                 Hkv, d, act, cc, nt)
+            op, oc = buf("o", o_in, H * d)
+            attend(qp, kc, vc, bt, bts, sl, op, oc, B, H, Hkv, d, self.block_size, self.scale, cc, act, nt)
+            a = o_proj(bufs["o", o_in])  # [B, hidden]
+            hp, hc = buf("h", gu_in, n)
+            norm(xp, a.data_ptr(), ACT_CODES[a.dtype], pw, pwc, eps, hp, hc, B, n, act, nt)
+            gu = gate_up_proj(bufs["h", gu_in])  # [B, 2 I]
+            gp, gc = buf("g", down_in, inter)
+            silu(gu.data_ptr(), ACT_CODES[gu.dtype], gp, gc, B, inter, act, nt)
+            delta = down_proj(bufs["g", down_in])  # [B, hidden]
         out = torch.empty_like(x)
-        norm(xp, delta.data_ptr(), self.final_norm.data_ptr(), ACT_CODES[self.final_norm.dtype], eps, out.data_ptr(),
-             B, n, act, nt)
+        norm(xp, delta.data_ptr(), ACT_CODES[delta.dtype], self.final_norm.data_ptr(), ACT_CODES[self.final_norm.dtype],
+             eps, out.data_ptr(), act, B, n, act, nt)
         return out
+
+
+def _input_dtype(linear: torch.nn.Module, act: torch.dtype) -> torch.dtype:
+    """The dtype a linear layer multiplies in: packed int4/int8 layers cast their input to bfloat16 first."""
+    return KERNEL_DTYPE if isinstance(linear, PackedLinear) else act
