@@ -48,6 +48,41 @@ static inline void prefetch_block(const uint8_t *kc, const uint8_t *vc, int64_t 
     }
 }
 
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+/* 16 values of a float32 (code 3) or bfloat16 (code 4) row as a vector of floats */
+static inline v16f load16(const uint8_t *p, int code) {
+    if (code == 3) { v16f v; memcpy(&v, p, sizeof v); return v; }
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    return (v16f)(__builtin_convertvector(h, v16u) << 16);
+}
+
+/* The softmax-weighted sum of V over a chunk for float32/bfloat16 caches: acc[g, :] = Σ_t w[g, t] V[t, :],
+ * one query row at a time so its d/16 accumulators stay in registers over the whole chunk (the chunk's V
+ * rows come again from L1/L2 for each row). d is a multiple of 16, at most 256. */
+static inline __attribute__((always_inline)) void v_pass_float(
+        const uint8_t *vc, const int64_t *table, int64_t t_begin, int64_t t_end, const float *scores, int64_t L,
+        float *acc, int G, int Hkv, int h, const int d, int bs, int code) {
+    const int64_t es = elem_size(code);
+    for (int g = 0; g < G; g++) {
+        v16f a[16];
+        for (int c = 0; c < d / 16; c++) a[c] = (v16f){0};
+        const float *w = scores + g * L - t_begin;
+        for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
+            const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
+            for (int64_t j = 0; j < n; j++) {
+                const uint8_t *row = vc + ((base + j) * Hkv + h) * d * es;
+                const float wt = w[t0 + j];
+                for (int c = 0; c < d / 16; c++) a[c] += wt * load16(row + c * 16 * es, code);
+            }
+        }
+        for (int c = 0; c < d / 16; c++) memcpy(acc + g * d + c * 16, &a[c], sizeof a[c]);
+    }
+}
+
 /* One (sequence, kv head, chunk of tokens [t_begin, t_end)): G query rows. Writes the chunk's partial
  * softmax state (flash-decoding, Dao et al. 2023): running max mx[G], sum of exp sum[G] and the
  * unnormalized output acc[G, d]. Inlined with d a literal (64/128/256) so the row loops unroll and
@@ -84,6 +119,11 @@ static inline __attribute__((always_inline)) void attend_chunk(
         const float m = mx[g];
         for (int64_t t = 0; t < L; t++) { const float e = exp_nonpos(sg[t] - m); sg[t] = e; z += e; }
         sum[g] = z;
+    }
+    if ((code == 3 || code == 4) && d % 16 == 0 && d <= 256) {  /* float caches: accumulators in registers */
+        v_pass_float(vc, table, t_begin, t_end, scores, L, acc, G, Hkv, h, d, bs, code);
+        free(scores);
+        return;
     }
     memset(acc, 0, sizeof(float) * G * d);
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
