@@ -5,6 +5,7 @@ import torch
 
 from kvserve.attention import AttentionMetadata, paged_attention, write_kv
 from kvserve.attention.reference import reference_paged_attention
+from tests.paged_cases import fill_context, scattered_tables
 
 TOL = 1e-5
 
@@ -27,17 +28,8 @@ def _run(num_heads, num_kv_heads, context_lens, query_lens, block_size=4, head_d
     num_blocks = 64
     kc = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     vc = torch.zeros_like(kc)
-    perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered, non-contiguous blocks
-    tables = []
-    for c, q in zip(context_lens, query_lens):
-        nb = -(-(c + q) // block_size)
-        tables.append([perm.pop() for _ in range(nb)])
-    # fill earlier context directly through the slot mapping of a "previous step"
-    prev = AttentionMetadata.build(tables, [0] * len(tables), list(context_lens), block_size)
-    n_prev = sum(context_lens)
-    if n_prev:
-        write_kv(kc, vc, torch.randn(n_prev, num_kv_heads, head_dim, generator=g).to(dtype),
-                 torch.randn(n_prev, num_kv_heads, head_dim, generator=g).to(dtype), prev.slot_mapping)
+    tables = scattered_tables(torch.randperm(num_blocks, generator=g).tolist(), context_lens, query_lens, block_size)
+    fill_context(kc, vc, tables, context_lens, block_size, num_kv_heads, head_dim, g, dtype)
     meta = AttentionMetadata.build(tables, list(context_lens), list(query_lens), block_size)
     T = sum(query_lens)
     q = torch.randn(T, num_heads, head_dim, generator=g).to(dtype)

@@ -10,6 +10,7 @@ from kvserve.attention.reference import reference_paged_attention
 from kvserve.config import CacheConfig, ConfigError, ModelConfig, parse_kv_cache_dtype
 from kvserve.kv_cache.spec import KVCacheSpec
 from kvserve.sampling_params import SamplingParams
+from tests.paged_cases import fill_context, scattered_tables
 from tests.conftest import tiny_llm
 
 KINDS = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -64,13 +65,8 @@ def _run(kind, num_heads, num_kv_heads, context_lens, query_lens, block_size=4, 
     num_blocks = 400
     kc = QuantizedKVCache.zeros(kind, num_blocks, block_size, num_kv_heads, head_dim)
     vc = QuantizedKVCache.zeros(kind, num_blocks, block_size, num_kv_heads, head_dim)
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [[perm.pop() for _ in range(-(-(c + q) // block_size))] for c, q in zip(context_lens, query_lens)]
-    prev = AttentionMetadata.build(tables, [0] * len(tables), list(context_lens), block_size)
-    n_prev = sum(context_lens)
-    if n_prev:
-        write_kv(kc, vc, torch.randn(n_prev, num_kv_heads, head_dim, generator=g),
-                 torch.randn(n_prev, num_kv_heads, head_dim, generator=g), prev.slot_mapping)
+    tables = scattered_tables(torch.randperm(num_blocks, generator=g).tolist(), context_lens, query_lens, block_size)
+    fill_context(kc, vc, tables, context_lens, block_size, num_kv_heads, head_dim, g)
     meta = AttentionMetadata.build(tables, list(context_lens), list(query_lens), block_size)
     T = sum(query_lens)
     q = torch.randn(T, num_heads, head_dim, generator=g)

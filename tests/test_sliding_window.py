@@ -16,6 +16,7 @@ from kvserve.attention.reference import reference_paged_attention
 from kvserve.config import ModelConfig
 from kvserve.kv_cache.manager import FREED_BLOCK_ID, KVCacheManager
 from kvserve.kv_cache.spec import KVCacheSpec, kv_cache_groups
+from tests.paged_cases import fill_context, scattered_tables
 
 TOL = 1e-5
 
@@ -30,12 +31,8 @@ def _run(context_lens, query_lens, window, num_heads=4, num_kv_heads=1, block_si
     else:
         kc, vc = torch.zeros(shape), torch.zeros(shape)
     perm = torch.randperm(num_blocks - 1, generator=g).add(1).tolist()  # block 0: the stale one
-    tables = [[perm.pop() for _ in range(-(-(c + q) // block_size))] for c, q in zip(context_lens, query_lens)]
-    prev = AttentionMetadata.build(tables, [0] * len(tables), list(context_lens), block_size)
-    n_prev = sum(context_lens)
-    if n_prev:
-        write_kv(kc, vc, torch.randn(n_prev, num_kv_heads, head_dim, generator=g),
-                 torch.randn(n_prev, num_kv_heads, head_dim, generator=g), prev.slot_mapping)
+    tables = scattered_tables(perm, context_lens, query_lens, block_size)
+    fill_context(kc, vc, tables, context_lens, block_size, num_kv_heads, head_dim, g)
     # blocks wholly before each sequence's first visible key are "freed": point them at the stale block
     stale = [[0 if (b + 1) * block_size <= max(0, c - window + 1) else blk for b, blk in enumerate(t)]
              for t, c in zip(tables, context_lens)]

@@ -108,12 +108,13 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata | Sequence[AttentionMetadata]) -> torch.Tensor:
         """``meta``: one AttentionMetadata for all layers, or one per layer (sliding and full layers in
         separate KV cache groups, e.g. a Mistral/Qwen2 config with mixed ``layer_types``)."""
-        metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
-        if not isinstance(meta, (list, tuple)) and meta.num_decodes == len(meta.seq_lens_list) \
-                and not meta.sliding_window and self.use_decode_plan and not torch.compiler.is_compiling():
+        per_layer = isinstance(meta, (list, tuple))
+        if not per_layer and meta.num_decodes == len(meta.seq_lens_list) and not meta.sliding_window \
+                and self.use_decode_plan and not torch.compiler.is_compiling():
             plan = self.decode_plan(kv_caches)
             if plan is not None:
                 return plan(input_ids, positions, meta)
+        metas = meta if per_layer else [meta] * len(self.layers)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = (positions, self.rotary_emb.cos, self.rotary_emb.sin)
         residual = None

@@ -102,11 +102,17 @@ class PackedLinear(nn.Module):
 
     def _finish(self, bias: torch.Tensor | None, dense_prefill: bool) -> None:
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        dense = self.dequantize().to(KERNEL_DTYPE) if dense_prefill else None  # [N, K] for prefill
-        self.dense_prepacked = dense is not None and MKLDNN_BF16
-        if self.dense_prepacked:  # oneDNN's blocked layout (an opaque mkldnn tensor), packed once
-            dense = torch.ops.mkldnn._reorder_linear_weight(dense, 16)
-        self.register_buffer("dense", dense, persistent=False)
+        self.register_buffer("dense", None, persistent=False)
+        self.dense_prepacked = False
+        if dense_prefill:
+            self.set_dense(prepack=MKLDNN_BF16)
+
+    def set_dense(self, prepack: bool) -> None:
+        """(Re)build ``dense``, the bfloat16 copy of ``dequantize()`` [N, K] for steps of many rows;
+        ``prepack``: in oneDNN's blocked layout (an opaque mkldnn tensor), packed once."""
+        dense = self.dequantize().to(KERNEL_DTYPE)
+        self.dense = torch.ops.mkldnn._reorder_linear_weight(dense, 16) if prepack else dense
+        self.dense_prepacked = prepack
 
     def _dense_mm(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [T, K] bfloat16 times the bfloat16 copy of W: [T, N] bfloat16."""
@@ -253,7 +259,7 @@ def unpack_dense(model: nn.Module) -> int:
     n = 0
     for mod in model.modules():
         if isinstance(mod, PackedLinear) and mod.dense_prepacked:
-            mod.dense, mod.dense_prepacked = mod.dequantize().to(KERNEL_DTYPE), False
+            mod.set_dense(prepack=False)
             n += 1
     return n
 

@@ -76,32 +76,17 @@ def measure_gemv(dtype: torch.dtype, total_bytes: int = 512 << 20, rows: int = 2
     return sum(w.numel() * w.element_size() for w in mats) / _best_time(run, repeats)
 
 
-def measure_model_gemv(model: torch.nn.Module, repeats: int = 5) -> float:
-    """Bytes/s of y = W x over a model's own matrices (every nn.Linear and the LM head, in layer
-    order, as a decode step reads them) with a one-row x. Small matrices (SmolLM2's are 576 wide)
-    stream slower than the large square ones of :func:`measure_gemv`; ``kvserve explain`` uses this
-    rate for the model it explains."""
+def _model_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every nn.Linear weight and the LM head (the embedding table when tied), in layer order."""
     mats = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if getattr(model, "lm_head", None) is None and hasattr(model, "embed_tokens"):
         mats.append(model.embed_tokens.weight)  # tied LM head
-    xs = {w.shape[1]: torch.randn(1, w.shape[1]).to(w.dtype) for w in mats}
-
-    @torch.inference_mode()
-    def run():
-        for w in mats:
-            torch.nn.functional.linear(xs[w.shape[1]], w)
-
-    return sum(w.numel() * w.element_size() for w in mats) / _best_time(run, repeats)
+    return mats
 
 
-def measure_model_matmul(model: torch.nn.Module, rows: int, repeats: int = 2) -> float:
-    """FLOP/s of Y = X Wᵀ over a model's own matrices (every nn.Linear and the LM head) with ``rows``
-    rows of X, as a prefill chunk of ``rows`` tokens multiplies them: 2 · rows · Σ N·K FLOPs. SmolLM2's
-    576-wide matrices run well below a 2048² GEMM's rate, more so for short chunks; ``kvserve explain``
-    predicts each context's TTFT at the rate of its own chunk size."""
-    mats = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if getattr(model, "lm_head", None) is None and hasattr(model, "embed_tokens"):
-        mats.append(model.embed_tokens.weight)  # tied LM head
+def _time_model_matrices(model: torch.nn.Module, rows: int, repeats: int) -> tuple[list[torch.Tensor], float]:
+    """(the matrices, best seconds of one pass of Y = X Wᵀ over all of them with ``rows`` rows of X)."""
+    mats = _model_matrices(model)
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in mats}
 
     @torch.inference_mode()
@@ -109,7 +94,25 @@ def measure_model_matmul(model: torch.nn.Module, rows: int, repeats: int = 2) ->
         for w in mats:
             torch.nn.functional.linear(xs[w.shape[1]], w)
 
-    return 2 * rows * sum(w.numel() for w in mats) / _best_time(run, repeats)
+    return mats, _best_time(run, repeats)
+
+
+def measure_model_gemv(model: torch.nn.Module, repeats: int = 5) -> float:
+    """Bytes/s of y = W x over a model's own matrices (every nn.Linear and the LM head, in layer
+    order, as a decode step reads them) with a one-row x. Small matrices (SmolLM2's are 576 wide)
+    stream slower than the large square ones of :func:`measure_gemv`; ``kvserve explain`` uses this
+    rate for the model it explains."""
+    mats, t = _time_model_matrices(model, 1, repeats)
+    return sum(w.numel() * w.element_size() for w in mats) / t
+
+
+def measure_model_matmul(model: torch.nn.Module, rows: int, repeats: int = 2) -> float:
+    """FLOP/s of Y = X Wᵀ over a model's own matrices (every nn.Linear and the LM head) with ``rows``
+    rows of X, as a prefill chunk of ``rows`` tokens multiplies them: 2 · rows · Σ N·K FLOPs. SmolLM2's
+    576-wide matrices run well below a 2048² GEMM's rate, more so for short chunks; ``kvserve explain``
+    predicts each context's TTFT at the rate of its own chunk size."""
+    mats, t = _time_model_matrices(model, rows, repeats)
+    return 2 * rows * sum(w.numel() for w in mats) / t
 
 
 def measure_matmul(dtype: torch.dtype, n: int = 2048, repeats: int = 3) -> float:
