@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from kvserve.config import ConfigError, ModelConfig
-from kvserve.models.quant import (BlockQuant, Int4Linear, Int8Linear, gguf_block_quant, quantize_int4_minmax,
-                                  quantize_model, reference_linear)
+from kvserve.models.quant import (BlockQuant, Int4Linear, Int8Linear, gguf_block_quant, int4_kernel,
+                                  pack_int4_tiles, quantize_int4_minmax, quantize_model, reference_linear,
+                                  unpack_int4_tiles)
+
+needs_int4_kernel = pytest.mark.skipif(int4_kernel() is None, reason="kvserve's int4 kernel needs AVX512-BF16 and cc")
 
 
 
@@ -41,7 +44,8 @@ def test_other_gguf_types_are_not_decoded_as_blocks():
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
 def test_int4_linear_keeps_gguf_codes_with_bf16_scales(type_name):
     """Kernel weights = GGUF weights up to bfloat16 rounding of scale and zero point (the docstring's
-    bound); ``dequantize`` reads them back through the kernel, whose bf16 output adds |w|·2⁻⁸."""
+    bound); with torch's packing ``dequantize`` reads them back through its kernel, whose bf16 output adds
+    |w|·2⁻⁸."""
     w = np.random.default_rng(1).standard_normal((64, 128)).astype(np.float32)
     raw, ref = _gguf_roundtrip(w, type_name)
     blocks = gguf_block_quant(raw, type_name, w.shape)
@@ -53,22 +57,66 @@ def test_int4_linear_keeps_gguf_codes_with_bf16_scales(type_name):
     assert (err <= bound).all(), float((err / bound).max())
 
 
-@pytest.mark.parametrize("T", [1, 3, 40])
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("T", [1, 3, 5, 11, 40])
+@pytest.mark.parametrize("kind", ["int4", "int4-torch", "int8"])
 def test_packed_matmul_matches_float32_reference(kind, T):
-    """|y − x·Wᵀ| ≤ 2⁻⁶ · Σ_k |x_k W_nk|: x, y (and, for T ≥ 32 tokens, the bf16 prefill copy of W) are
+    """|y − x·Wᵀ| ≤ 2⁻⁶ · Σ_k |x_k W_nk|: x, y (and, for T ≥ 12 tokens, the bf16 prefill copy of W) are
     rounded to bfloat16 (unit roundoff 2⁻⁸ each) around a float32 accumulation; a wrong code, scale or
-    zero breaks the bound by orders. T = 1, 3 run the packed kernel, T = 40 the dense prefill path."""
+    zero breaks the bound by orders. T < 12 runs the packed kernel (kvserve's int4 kernel takes rows four
+    at a time: 5 and 11 leave partial blocks), T = 40 the dense prefill path. "int4-torch" is the
+    fallback on PyTorch's int4 kernel."""
     g = torch.Generator().manual_seed(T)
     w = torch.randn(96, 192, generator=g)
     bias = torch.randn(96, generator=g)
-    layer = Int4Linear(quantize_int4_minmax(w), bias) if kind == "int4" else Int8Linear(w, bias)
+    if kind == "int4" and int4_kernel() is None:
+        pytest.skip("kvserve's int4 kernel needs AVX512-BF16 and cc")
+    layer = (Int4Linear(quantize_int4_minmax(w), bias, layout="tiles" if kind == "int4" else "torch")
+             if kind.startswith("int4") else Int8Linear(w, bias))
+    assert kind != "int4" or layer.layout == "tiles"
     x = torch.randn(T, 192, generator=g)
     y = layer(x)
     assert y.shape == (T, 96) and y.dtype == torch.float32
     ref = reference_linear(x, layer)
     bound = 2.0 ** -6 * (x.abs() @ layer.dequantize().abs().T) + 1e-4
     assert ((y - ref).abs() <= bound).all()
+
+
+def test_int4_tile_layout_puts_each_code_where_the_kernel_reads_it():
+    """Hand-derived positions: code (n, k) sits in record (n // 16, k // 32), chunk (k % 32) // 8, lane
+    2·(n % 16) + k % 2, bits 4·((k % 8) // 2); scales and zeros at 128 + n % 16 and 144 + n % 16."""
+    rng = np.random.default_rng(7)
+    codes = rng.integers(0, 16, size=(48, 96), dtype=np.uint8)
+    scale = torch.from_numpy(rng.standard_normal((48, 3)).astype(np.float32)).to(torch.bfloat16)
+    zero = torch.from_numpy(rng.standard_normal((48, 3)).astype(np.float32)).to(torch.bfloat16)
+    rec = pack_int4_tiles(codes, scale, zero).numpy().view(np.uint16)
+    assert rec.shape == (3, 3, 160)
+    bits = lambda v: int(v.view(torch.int16).item()) & 0xFFFF  # noqa: E731
+    for n, k in [(0, 0), (0, 1), (5, 2), (17, 9), (47, 95), (31, 64), (16, 39)]:
+        lane = rec[n // 16, k // 32, 32 * ((k % 32) // 8) + 2 * (n % 16) + k % 2]
+        assert (lane >> (4 * ((k % 8) // 2))) & 0xF == codes[n, k]
+        assert rec[n // 16, k // 32, 128 + n % 16] == bits(scale[n, k // 32])
+        assert rec[n // 16, k // 32, 144 + n % 16] == bits(zero[n, k // 32])
+    back, s2, z2 = unpack_int4_tiles(pack_int4_tiles(codes, scale, zero))
+    assert (back == codes).all() and torch.equal(s2, scale) and torch.equal(z2, zero)
+
+
+@needs_int4_kernel
+def test_int4_kernel_matches_torch_int4_kernel_on_the_same_weights():
+    """Two implementations of the same dequantization, (q − 8)·scale + zero, on the same codes and bf16
+    scales and bf16 x: the float32 sums differ only in order, so the bf16 outputs differ by at most one
+    bf16 step of the larger one (plus a float32 ulp-sized slack near rounding ties)."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(160, 320, generator=g) * 0.1
+    block = quantize_int4_minmax(w)
+    ours, theirs = Int4Linear(block, layout="tiles", dense_prefill=False), Int4Linear(block, layout="torch",
+                                                                                        dense_prefill=False)
+    assert torch.equal(ours.dequantize().to(torch.bfloat16), theirs.dequantize().to(torch.bfloat16))
+    for T in (1, 4, 7):
+        x = torch.randn(T, 320, generator=g).to(torch.bfloat16)
+        a, b = ours(x).float(), theirs(x).float()
+        step = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 1e-6
+        assert ((a - b).abs() <= step).all()
+        assert (a != b).float().mean() < 0.05  # mostly the same bits
 
 
 def test_quantization_error_of_float_weights_is_within_half_a_step():

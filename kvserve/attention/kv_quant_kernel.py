@@ -1,6 +1,7 @@
 """Loads the C kernels, compiled on first use into one library: the fused dequantize-and-attend
-decode kernel (``kv_quant_kernel.c``) and the per-layer glue of a step (``layer_kernel.c``, used by
-:mod:`kvserve.models.fused_ops`).
+decode kernel (``kv_quant_kernel.c``), the per-layer glue of a step (``layer_kernel.c``, used by
+:mod:`kvserve.models.fused_ops`) and the int4 weight matmul (``int4_gemm.c``, used by
+:class:`kvserve.models.quant.Int4Linear` where the CPU has AVX512-BF16).
 
 Built with the system C compiler (``cc -O3 -march=native -fopenmp``) into ``~/.cache/kvserve`` under a
 name that hashes the source and flags, and called through ctypes on tensors' data pointers. Returns
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-_SRCS = [Path(__file__).with_name(n) for n in ("kv_quant_kernel.c", "layer_kernel.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("kv_quant_kernel.c", "layer_kernel.c", "int4_gemm.c")]
 # no -ffast-math: with GCC < 13 it would set flush-to-zero for the whole process when the library loads
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
           "-fno-signed-zeros", "-fassociative-math"]
@@ -56,7 +57,11 @@ def load() -> ctypes.CDLL | None:
     dll.kvs_add_rms_norm.argtypes = [p, p, i32, p, i32, f32, p, i32, i64, i32, i32, i32]
     dll.kvs_silu_mul.argtypes = [p, i32, p, i32, i64, i32, i32, i32]
     dll.kvs_decode_attention.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, i32, f32, i32, i32, i32]
-    for f in (dll.kvs_rope_write_kv, dll.kvs_add_rms_norm, dll.kvs_silu_mul, dll.kvs_decode_attention):
+    dll.kvs_int4_linear.argtypes = [p, i64, i32, p, i32, p, i32, i32]
+    dll.kvs_int4_supported.argtypes = []
+    dll.kvs_int4_supported.restype = i32
+    for f in (dll.kvs_rope_write_kv, dll.kvs_add_rms_norm, dll.kvs_silu_mul, dll.kvs_decode_attention,
+              dll.kvs_int4_linear):
         f.restype = None
     return dll
 

@@ -1,10 +1,12 @@
 """Weight-only quantized linear layers for CPU decode: 4-bit group-wise and 8-bit per-channel.
 
 A decode step reads every weight once, so its time is weight bytes ÷ bandwidth. These layers keep the
-weights packed in memory and multiply with PyTorch's CPU weight-only kernels
-(``torch._weight_int4pack_mm_for_cpu``, ``torch._weight_int8pack_mm``): nothing dequantizes a whole
-matrix per step. Both kernels take bfloat16 activations with bfloat16 scales (their float32 paths
-are ~20× slower on CPU), so a float32 model converts activations at the layer boundary.
+weights packed in memory and multiply with weight-only kernels: nothing dequantizes a whole matrix per
+step. int4 runs kvserve's own kernel (``kvserve/attention/int4_gemm.c``: a 4-bit code becomes a bfloat16
+weight by one table lookup and feeds an AVX512-BF16 pair dot product) where the CPU has AVX512-BF16 and a
+C compiler is present, else ``torch._weight_int4pack_mm_for_cpu``; int8 runs ``torch._weight_int8pack_mm``.
+All take bfloat16 activations with bfloat16 scales (PyTorch's float32 paths are ~20× slower on CPU), so a
+float32 model converts activations at the layer boundary.
 
 GGUF block formats (llama.cpp ``ggml-quants.c``, blocks of 32 weights along the input dimension):
 
@@ -19,6 +21,7 @@ GGUF block formats (llama.cpp ``ggml-quants.c``, blocks of 32 weights along the 
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -139,33 +142,104 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
+INT4_RECORD = 160  # uint16 per (16-row tile, 32-input group) record of the kvserve int4 layout
+
+
+@functools.cache
+def int4_kernel():
+    """The compiled library when kvserve's int4 kernel runs here (AVX512-BF16 CPU, C compiler), else None."""
+    from kvserve.attention import kv_quant_kernel
+    dll = kv_quant_kernel.load()
+    return dll if dll is not None and dll.kvs_int4_supported() else None
+
+
+def pack_int4_tiles(codes: np.ndarray, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The layout ``int4_gemm.c`` streams. codes: [N, K] uint8 in [0, 15]; scale, zero: [N, K/32]
+    bfloat16 (N % 16 == 0, K % 32 == 0). Returns [N/16, K/32, 160] int16 holding uint16 bit patterns: per
+    (tile of 16 rows, group of 32 inputs) 128 code lanes (lane L of chunk c holds in bits 4j..4j+3 the
+    code of row L/2 at input 32g + 8c + 2j + L%2), then the 16 scales, then the 16 zeros."""
+    n, k = codes.shape
+    t, g = n // 16, k // GROUP_SIZE
+    c = codes.reshape(t, 16, g, 4, 4, 2).astype(np.uint16).transpose(0, 2, 3, 1, 5, 4)  # t, g, chunk, row, k%2, j
+    lanes = (c[..., 0] | c[..., 1] << 4 | c[..., 2] << 8 | c[..., 3] << 12).reshape(t, g, 128)
+
+    def per_tile(v: torch.Tensor) -> np.ndarray:  # [N, G] bf16 → [T, G, 16] uint16 bits
+        return v.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(t, 16, g).transpose(0, 2, 1)
+
+    rec = np.concatenate([lanes, per_tile(scale), per_tile(zero)], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(rec).view(np.int16))
+
+
+def unpack_int4_tiles(packed: torch.Tensor) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_int4_tiles`: (codes [N, K] uint8, scale [N, K/32] bf16, zero [N, K/32] bf16)."""
+    t, g, _ = packed.shape
+    rec = packed.numpy().view(np.uint16)
+    lanes = rec[..., :128].reshape(t, g, 4, 16, 2, 1) >> (4 * np.arange(4, dtype=np.uint16)) & 0xF  # ..., row, k%2, j
+    codes = lanes.transpose(0, 3, 1, 2, 5, 4).reshape(t * 16, g * GROUP_SIZE).astype(np.uint8)
+
+    def rows(v: np.ndarray) -> torch.Tensor:  # [T, G, 16] → [N, G] bf16
+        return torch.from_numpy(np.ascontiguousarray(v.transpose(0, 2, 1).reshape(t * 16, g)).view(np.int16)) \
+            .view(KERNEL_DTYPE)
+
+    return codes, rows(rec[..., 128:144]), rows(rec[..., 144:160])
+
+
+@torch.compiler.disable  # ctypes on data pointers: opaque to torch.compile, run eagerly
+def int4_tiles_mm(x2: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x2 [T, K] bfloat16 · Wᵀ with W in :func:`pack_int4_tiles` layout → [T, N] bfloat16 (the float32
+    sum rounded to nearest even)."""
+    x2 = x2.contiguous()
+    y = torch.empty(x2.shape[0], out_features, dtype=KERNEL_DTYPE)
+    int4_kernel().kvs_int4_linear(x2.data_ptr(), x2.shape[0], x2.shape[1], packed.data_ptr(), out_features,
+                                  y.data_ptr(), 4, torch.get_num_threads())
+    return y
+
+
 class Int4Linear(PackedLinear):
     """W as 4-bit codes and a bfloat16 (scale, zero) per group of 32 inputs: 0.5 byte + 4 bytes per 32
-    (0.625 B per weight). Kernel: ``torch._weight_int4pack_mm_for_cpu``."""
+    (0.625 B per weight); ``w = (q − 8)·scale + zero``. Kernel: kvserve's ``kvs_int4_linear`` on the
+    tile layout of :func:`pack_int4_tiles` where :func:`int4_kernel` is available (``layout == "tiles"``),
+    else ``torch._weight_int4pack_mm_for_cpu`` on its own packing (``layout == "torch"``)."""
 
-    def __init__(self, block: BlockQuant, bias: torch.Tensor | None = None, dense_prefill: bool = True):
+    def __init__(self, block: BlockQuant, bias: torch.Tensor | None = None, dense_prefill: bool = True,
+                 layout: str | None = None):
+        """``layout``: None picks "tiles" where :func:`int4_kernel` runs, else "torch"; tests force either."""
         super().__init__()
         n, k = block.codes.shape
         self.in_features, self.out_features, self.group_size = k, n, GROUP_SIZE
-        codes = torch.from_numpy(np.ascontiguousarray(block.codes)).to(torch.int32)
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))  # [N, K/2] uint8
         scale, lo = torch.from_numpy(block.scale), torch.from_numpy(block.min)  # [N, K/32] float32
-        zeros = lo + 8 * scale  # the kernel dequantizes (q − 8)·scale + zero
-        self.register_buffer("scale_zeros", torch.stack([scale, zeros], -1).transpose(0, 1)
-                             .contiguous().to(KERNEL_DTYPE))  # [K/32, N, 2]
+        zeros = lo + 8 * scale  # the kernels dequantize (q − 8)·scale + zero
+        self.layout = layout or ("tiles" if int4_kernel() is not None else "torch")
+        if self.layout == "tiles" and int4_kernel() is None:
+            raise ValueError("layout='tiles' needs kvserve's int4 kernel (AVX512-BF16 CPU and a C compiler)")
+        if self.layout == "tiles":
+            self.register_buffer("packed", pack_int4_tiles(block.codes, scale.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)))
+        else:
+            codes = torch.from_numpy(np.ascontiguousarray(block.codes)).to(torch.int32)
+            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))  # [N, K/2] uint8
+            self.register_buffer("scale_zeros", torch.stack([scale, zeros], -1).transpose(0, 1)
+                                 .contiguous().to(KERNEL_DTYPE))  # [K/32, N, 2]
         self._finish(bias, dense_prefill)
 
     @property
     def weight_nbytes(self) -> int:
         """Bytes a decode step reads (codes + scales; the prefill copy is not counted)."""
+        if self.layout == "tiles":
+            return self.packed.numel() * self.packed.element_size()
         return self.packed.numel() + self.scale_zeros.numel() * self.scale_zeros.element_size()
 
     def dequantize(self) -> torch.Tensor:
         """The weight this layer multiplies with, float32 [N, K] (reference for tests)."""
+        if self.layout == "tiles":
+            codes, scale, zero = unpack_int4_tiles(self.packed)
+            q = torch.from_numpy(codes).float().view(self.out_features, -1, GROUP_SIZE)
+            return ((q - 8) * scale.float()[..., None] + zero.float()[..., None]).view(self.out_features, -1)
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scale_zeros).float().T
 
     def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.layout == "tiles":
+            return int4_tiles_mm(x2, self.packed, self.out_features)
         return torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scale_zeros)
 
 

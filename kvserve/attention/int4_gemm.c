@@ -1,0 +1,143 @@
+/* y = x·Wᵀ with W as 4-bit codes and a bfloat16 (scale, zero) per group of 32 inputs, the weight
+ * format of kvserve.models.quant.Int4Linear: w[n, k] = (q[n, k] − 8)·scale[n, g] + zero[n, g], g = k / 32
+ * (the same dequantization as torch._weight_int4pack_mm_for_cpu).
+ *
+ * Why: a decode step's time is weight bytes ÷ bandwidth. PyTorch's int4 kernel streams SmolLM2's
+ * 576-wide matrices at ~16 GB/s and dequantizes every weight again for each few rows of x. Here each
+ * 4-bit code becomes a bfloat16 weight with one table lookup (vpermw) and goes straight into an
+ * AVX512-BF16 pair dot product (vdpbf16ps) with the bfloat16 activations, which keeps up with memory
+ * on one core, and a step of several rows unpacks each weight once for up to four rows.
+ *
+ * Packed layout (built by kvserve.models.quant.pack_int4_tiles): rows in tiles of 16; per (tile, group)
+ * a record of 160 uint16:
+ *   [0, 128)   codes: four chunks of 32 lanes; lane L of chunk c holds, in its bits 4j..4j+3, the code of
+ *              row L/2 at input k = 32g + 8c + 2j + L%2 (j = 0..3): one vdpbf16ps lane pairs inputs k, k+1
+ *              of one row;
+ *   [128, 144) the 16 rows' scales, bfloat16;
+ *   [144, 160) their zeros, bfloat16.
+ * Records follow each other tile by tile, group by group: one sequential stream per tile.
+ *
+ * Arithmetic: per group, A = Σ_k (q − 8)·x_k in float32 (products of two bfloat16 are exact in float32;
+ * vdpbf16ps accumulates with round-to-nearest-even and treats denormals as zero), X = Σ_k x_k, and
+ * y += scale·A + zero·X. Differs from the dequantized float32 matmul only in summation order and in the
+ * denormal flush.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define INT4_RECORD 160 /* uint16 per (tile, group) record */
+#ifndef INT4_PREFETCH
+#define INT4_PREFETCH (24 * INT4_RECORD) /* prefetch distance, uint16 (tuned on SmolLM2's matrices) */
+#endif
+
+static inline float i4_bf16_to_float(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline uint16_t i4_float_to_bf16(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+int kvs_int4_supported(void) { return 1; }
+
+/* MB rows of x (bfloat16, row stride xs) times one tile of 16 weight rows: out[m][0..16) float32. */
+static inline __attribute__((always_inline)) void int4_tile(const uint16_t *rec, int G, const uint16_t *x, int64_t xs,
+                                                            const float *xsum, float *out, const int MB) {
+    /* bf16 bit patterns of q − 8 for q = 0..15, twice: vpermw reads 5 index bits, the code is the low 4 */
+    static const uint16_t lut[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+                                     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                                     0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+                                     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+    const __m512i table = _mm512_loadu_si512(lut);
+    __m512 y[4];
+    for (int m = 0; m < MB; m++) y[m] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++, rec += INT4_RECORD) {
+        /* one core keeps too few misses in flight on its own to stream at memory speed: ask early */
+        for (int l = 0; l < INT4_RECORD * 2; l += 64) __builtin_prefetch((const char *)(rec + INT4_PREFETCH) + l, 0, 3);
+        __m512 acc[4][4];
+        for (int m = 0; m < MB; m++)
+            for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(rec + 32 * c);
+            for (int j = 0; j < 4; j++) {
+                const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4 * j), table);
+                for (int m = 0; m < MB; m++) {
+                    int32_t pair;
+                    memcpy(&pair, x + m * xs + 32 * g + 8 * c + 2 * j, 4);
+                    acc[m][j] = _mm512_dpbf16_ps(acc[m][j], w, (__m512bh)_mm512_set1_epi32(pair));
+                }
+            }
+        }
+        const __m512 scale = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 128))), 16));
+        const __m512 zero = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 144))), 16));
+        for (int m = 0; m < MB; m++) {
+            const __m512 a = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
+            y[m] = _mm512_fmadd_ps(a, scale, y[m]);
+            y[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * G + g]), zero, y[m]);
+        }
+    }
+    for (int m = 0; m < MB; m++) _mm512_storeu_ps(out + 16 * m, y[m]);
+}
+
+/* y [M, N] (out_code 3 = float32, 4 = bfloat16, rounded to nearest even) = x [M, K] bfloat16 · Wᵀ,
+ * W packed as above (N % 16 == 0, K % 32 == 0). Tiles of 16 rows are split over num_threads threads;
+ * each tile's records are read once for every four rows of x. */
+void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
+                     int num_threads) {
+    const int G = K / 32, tiles = N / 16;
+    float *xsum = malloc(sizeof(float) * (size_t)(M * G));
+    for (int64_t m = 0; m < M; m++)
+        for (int g = 0; g < G; g++) {
+            float s = 0.f;
+            for (int k = 0; k < 32; k++) s += i4_bf16_to_float(x[m * K + 32 * g + k]);
+            xsum[m * G + g] = s;
+        }
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tiles >= 8)
+    for (int t = 0; t < tiles; t++) {
+        const uint16_t *rec = w + (int64_t)t * G * INT4_RECORD;
+        float out[4 * 16];
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int mb = M - m0 < 4 ? (int)(M - m0) : 4;
+            const uint16_t *xr = x + m0 * K;
+            const float *xsr = xsum + m0 * G;
+            switch (mb) {
+                case 4: int4_tile(rec, G, xr, K, xsr, out, 4); break;
+                case 3: int4_tile(rec, G, xr, K, xsr, out, 3); break;
+                case 2: int4_tile(rec, G, xr, K, xsr, out, 2); break;
+                default: int4_tile(rec, G, xr, K, xsr, out, 1); break;
+            }
+            for (int m = 0; m < mb; m++) {
+                const int64_t base = (m0 + m) * (int64_t)N + 16 * (int64_t)t;
+                if (out_code == 3) memcpy((float *)y + base, out + 16 * m, 16 * sizeof(float));
+                else
+                    for (int i = 0; i < 16; i++) ((uint16_t *)y)[base + i] = i4_float_to_bf16(out[16 * m + i]);
+            }
+        }
+    }
+    free(xsum);
+}
+
+#else
+
+int kvs_int4_supported(void) { return 0; }
+
+void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
+                     int num_threads) {
+    (void)x; (void)M; (void)K; (void)w; (void)N; (void)y; (void)out_code; (void)num_threads;
+    abort(); /* callers check kvs_int4_supported() first */
+}
+
+#endif
