@@ -8,6 +8,7 @@ import torch
 from kvserve.attention import AttentionMetadata, kv_quant_kernel
 from kvserve.attention.kv_quant import QuantizedKVCache
 from kvserve.models import fused_ops
+from kvserve.models.quant import int4_kernel
 from kvserve.models.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(kv_quant_kernel.load() is None, reason="no C compiler: kernels not built here")
@@ -171,14 +172,60 @@ def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias):
         llm = tiny_llm(dtype=dtype, weight_dtype=weight_dtype, max_num_batched_tokens=64,
                        dummy_config=DUMMY_PRESETS["tiny-llama"].replace(attention_bias=bias))
         model = llm.engine.runner.model
+        g = torch.Generator().manual_seed(5)
+        for name, p in model.named_parameters():  # dummy norms are all ones: make each layer's its own
+            if "norm" in name:
+                p.data.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
         model.use_decode_plan = use_plan
         outs = [o.outputs[0] for o in llm.generate(prompts, sp)]
         plans = [p for _, p in model._plans.values()]
         assert (len(plans) == 1 and isinstance(plans[0], LlamaDecodePlan)) if use_plan else not plans
+        if use_plan:  # int4 without bias: the whole step is one C call where kvserve's int4 kernel runs
+            one_call = weight_dtype == "int4" and not bias and int4_kernel() is not None
+            assert (plans[0].int4_layers is not None) == one_call
         results.append(outs)
     for a, b in zip(*results):
         assert a.token_ids == b.token_ids
         assert [x.top_logprobs for x in a.logprobs] == [x.top_logprobs for x in b.logprobs]  # exact
+
+
+@pytest.mark.skipif(int4_kernel() is None, reason="kvserve's int4 kernel needs AVX512-BF16 and cc")
+@pytest.mark.parametrize("dtype,kv_dtype", [("bfloat16", "auto"), ("float32", "auto"), ("float32", "bfloat16")])
+def test_one_call_int4_decode_step_equals_the_flat_loop(dtype, kv_dtype):
+    """kvs_llama_decode_int4 against the Python loop of the same kernels: identical hidden states for a
+    decode batch of uneven lengths (1 to 70 tokens: one to five KV blocks) over several steps, and the
+    same KV cache contents."""
+    from kvserve import SamplingParams
+    from tests.conftest import tiny_llm
+
+    lens = (1, 15, 16, 17, 33, 70)
+    sp = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
+    runs = []
+    for one_call in (True, False):
+        llm = tiny_llm(dtype=dtype, weight_dtype="int4", kv_cache_dtype=kv_dtype, max_num_batched_tokens=256)
+        model = llm.engine.runner.model
+        g = torch.Generator().manual_seed(5)
+        for name, p in model.named_parameters():  # dummy norms are all ones: make each layer's its own
+            if "norm" in name:
+                p.data.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+        if not one_call:  # the Python loop: hide the layer table once the plan exists
+            orig = model.decode_plan
+
+            def loop_only(kv_caches, orig=orig):
+                plan = orig(kv_caches)
+                plan.int4_layers = None
+                return plan
+            model.decode_plan = loop_only
+        outs = [o.outputs[0] for o in llm.generate([list(range(3, 3 + n)) for n in lens], sp)]
+        plan = next(p for _, p in model._plans.values())
+        assert (plan.int4_layers is not None) == one_call
+        caches = [c.clone() for kv in llm.engine.runner.kv_caches for c in kv]
+        runs.append((outs, caches))
+    (a_outs, a_caches), (b_outs, b_caches) = runs
+    for a, b in zip(a_outs, b_outs):
+        assert a.token_ids == b.token_ids
+        assert [x.top_logprobs for x in a.logprobs] == [x.top_logprobs for x in b.logprobs]
+    assert all(torch.equal(x, y) for x, y in zip(a_caches, b_caches))
 
 
 def test_decode_plan_not_built_for_quantized_kv_cache():

@@ -92,20 +92,19 @@ static inline __attribute__((always_inline)) void int4_tile(const uint16_t *rec,
     for (int m = 0; m < MB; m++) _mm512_storeu_ps(out + 16 * m, y[m]);
 }
 
-/* y [M, N] (out_code 3 = float32, 4 = bfloat16, rounded to nearest even) = x [M, K] bfloat16 · Wᵀ,
- * W packed as above (N % 16 == 0, K % 32 == 0). Tiles of 16 rows are split over num_threads threads;
- * each tile's records are read once for every four rows of x. */
-void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
-                     int num_threads) {
+/* The matmul below, run by every thread of an enclosing parallel region (outside one: by the caller
+ * alone). xsum: [M, K/32] float32 scratch shared by the team. Ends with a barrier. */
+void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
+                          float *xsum) {
     const int G = K / 32, tiles = N / 16;
-    float *xsum = malloc(sizeof(float) * (size_t)(M * G));
+#pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++)
         for (int g = 0; g < G; g++) {
             float s = 0.f;
             for (int k = 0; k < 32; k++) s += i4_bf16_to_float(x[m * K + 32 * g + k]);
             xsum[m * G + g] = s;
         }
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (tiles >= 8)
+#pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         const uint16_t *rec = w + (int64_t)t * G * INT4_RECORD;
         float out[4 * 16];
@@ -127,6 +126,16 @@ void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int
             }
         }
     }
+}
+
+/* y [M, N] (out_code 3 = float32, 4 = bfloat16, rounded to nearest even) = x [M, K] bfloat16 · Wᵀ,
+ * W packed as above (N % 16 == 0, K % 32 == 0). Tiles of 16 rows are split over num_threads threads;
+ * each tile's records are read once for every four rows of x. */
+void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
+                     int num_threads) {
+    float *xsum = malloc(sizeof(float) * (size_t)(M * (K / 32)));
+#pragma omp parallel num_threads(num_threads) if (N / 16 >= 8)
+    kvs_int4_linear_team(x, M, K, w, N, y, out_code, xsum);
     free(xsum);
 }
 
@@ -134,10 +143,16 @@ void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int
 
 int kvs_int4_supported(void) { return 0; }
 
+void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
+                          float *xsum) {
+    (void)x; (void)M; (void)K; (void)w; (void)N; (void)y; (void)out_code; (void)xsum;
+    abort(); /* callers check kvs_int4_supported() first */
+}
+
 void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
                      int num_threads) {
-    (void)x; (void)M; (void)K; (void)w; (void)N; (void)y; (void)out_code; (void)num_threads;
-    abort(); /* callers check kvs_int4_supported() first */
+    (void)num_threads;
+    kvs_int4_linear_team(x, M, K, w, N, y, out_code, NULL);
 }
 
 #endif

@@ -142,30 +142,33 @@ static inline __attribute__((always_inline)) void attend_chunk(
     free(scores);
 }
 
-/* q: [B, H, d]; caches: [num_blocks, bs, Hkv, d] codes (or floats); scales: [num_blocks, bs, Hkv] or NULL;
- * block_tables: [B, bt_stride]; seq_lens: [B]; out: [B, H, d]. Query heads h*G .. h*G+G-1 share kv head h.
- * Work items are (sequence, chunk of tokens) so one long sequence keeps every thread busy; an item runs
- * its KV heads one after another over the same blocks, so each block comes from memory once (the other
- * heads find it in L2; items per head would stream every block from DRAM once per head). The chunks'
- * partial softmax states are then merged: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) z_c. */
-void kvq_decode_attention(const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks,
-                          const float *vs, const int64_t *block_tables, int64_t bt_stride,
-                          const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
-                          float scale, int code, int num_threads) {
-    const int G = H / Hkv;
+/* Tokens per work item: up to 512 (whole blocks), fewer when that leaves threads idle. */
+int64_t kvq_attention_chunk(const int64_t *seq_lens, int B, int bs, int num_threads) {
     int64_t total = 0;
     for (int b = 0; b < B; b++) total += seq_lens[b];
-    /* chunks of up to 512 tokens (whole blocks), smaller when that leaves threads idle */
     int64_t chunk = ((512 + bs - 1) / bs) * bs;
     while (chunk > 4 * bs && total / chunk < 2 * num_threads) chunk /= 2;
-    chunk = ((chunk + bs - 1) / bs) * bs;
-    int64_t *first = malloc(sizeof(int64_t) * (B + 1));  /* first chunk of each sequence */
+    return ((chunk + bs - 1) / bs) * bs;
+}
+
+/* first[b] = index of sequence b's first work item, first[B] = the number of items. first: [B + 1]. */
+int64_t kvq_attention_items(const int64_t *seq_lens, int B, int64_t chunk, int64_t *first) {
     first[0] = 0;
     for (int b = 0; b < B; b++) first[b + 1] = first[b] + (seq_lens[b] + chunk - 1) / chunk;
+    return first[B];
+}
+
+/* kvq_decode_attention's work, run by every thread of an enclosing parallel region (outside one: by the
+ * caller alone); chunk and first from the two functions above, part: [first[B] * H * (d + 2)] float32
+ * scratch. Ends with a barrier. */
+void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks,
+                               const float *vs, const int64_t *block_tables, int64_t bt_stride,
+                               const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
+                               float scale, int code, int64_t chunk, const int64_t *first, float *part) {
+    const int G = H / Hkv;
     const int64_t num_items = first[B];
     /* partial state of (sequence b, kv head h, chunk c) at index first[b] * Hkv + h * nchunks_b + c */
-    float *part = malloc(sizeof(float) * (size_t)(num_items * Hkv * G * (d + 2)));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; item++) {
         int b = 0;
         while (first[b + 1] <= item) b++;
@@ -183,27 +186,45 @@ void kvq_decode_attention(const float *q, const uint8_t *kc, const uint8_t *vc, 
             }
         }
     }
-    for (int b = 0; b < B; b++) {
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < (int64_t)B * H; row++) {
+        const int b = (int)(row / H), h = (int)(row % H) / G, g = (int)(row % H) % G;
         const int64_t nchunks = first[b + 1] - first[b];
-        for (int h = 0; h < Hkv; h++)
-            for (int g = 0; g < G; g++) {
-                const float *p0 = part + (first[b] * Hkv + (int64_t)h * nchunks) * G * (d + 2);
-                float M = -INFINITY, Z = 0.f;
-                for (int64_t c = 0; c < nchunks; c++) {
-                    const float m = p0[c * G * (d + 2) + G * d + g];
-                    if (m > M) M = m;
-                }
-                float *o = out + ((int64_t)b * H + (int64_t)h * G + g) * d;
-                for (int i = 0; i < d; i++) o[i] = 0.f;
-                for (int64_t c = 0; c < nchunks; c++) {
-                    const float *pc = p0 + c * G * (d + 2);
-                    const float w = expf(pc[G * d + g] - M);
-                    Z += w * pc[G * d + G + g];
-                    for (int i = 0; i < d; i++) o[i] += w * pc[g * d + i];
-                }
-                for (int i = 0; i < d; i++) o[i] /= Z;
-            }
+        const float *p0 = part + (first[b] * Hkv + (int64_t)h * nchunks) * G * (d + 2);
+        float M = -INFINITY, Z = 0.f;
+        for (int64_t c = 0; c < nchunks; c++) {
+            const float m = p0[c * G * (d + 2) + G * d + g];
+            if (m > M) M = m;
+        }
+        float *o = out + row * d;
+        for (int i = 0; i < d; i++) o[i] = 0.f;
+        for (int64_t c = 0; c < nchunks; c++) {
+            const float *pc = p0 + c * G * (d + 2);
+            const float w = expf(pc[G * d + g] - M);
+            Z += w * pc[G * d + G + g];
+            for (int i = 0; i < d; i++) o[i] += w * pc[g * d + i];
+        }
+        for (int i = 0; i < d; i++) o[i] /= Z;
     }
+}
+
+/* q: [B, H, d]; caches: [num_blocks, bs, Hkv, d] codes (or floats); scales: [num_blocks, bs, Hkv] or NULL;
+ * block_tables: [B, bt_stride]; seq_lens: [B]; out: [B, H, d]. Query heads h*G .. h*G+G-1 share kv head h.
+ * Work items are (sequence, chunk of tokens) so one long sequence keeps every thread busy; an item runs
+ * its KV heads one after another over the same blocks, so each block comes from memory once (the other
+ * heads find it in L2; items per head would stream every block from DRAM once per head). The chunks'
+ * partial softmax states are then merged: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) z_c. */
+void kvq_decode_attention(const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks,
+                          const float *vs, const int64_t *block_tables, int64_t bt_stride,
+                          const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
+                          float scale, int code, int num_threads) {
+    const int64_t chunk = kvq_attention_chunk(seq_lens, B, bs, num_threads);
+    int64_t *first = malloc(sizeof(int64_t) * (B + 1));
+    const int64_t num_items = kvq_attention_items(seq_lens, B, chunk, first);
+    float *part = malloc(sizeof(float) * (size_t)(num_items * H * (d + 2)));
+#pragma omp parallel num_threads(num_threads)
+    kvq_decode_attention_team(q, kc, vc, ks, vs, block_tables, bt_stride, seq_lens, out, B, H, Hkv, d, bs, scale,
+                              code, chunk, first, part);
     free(part);
     free(first);
 }

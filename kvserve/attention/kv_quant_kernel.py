@@ -58,10 +58,12 @@ def load() -> ctypes.CDLL | None:
     dll.kvs_silu_mul.argtypes = [p, i32, p, i32, i64, i32, i32, i32]
     dll.kvs_decode_attention.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, i32, f32, i32, i32, i32]
     dll.kvs_int4_linear.argtypes = [p, i64, i32, p, i32, p, i32, i32]
+    dll.kvs_llama_decode_int4.argtypes = [p, i32, i32, p, p, p, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, i32,
+                                          f32, f32, i32, i32, i32, i32]
     dll.kvs_int4_supported.argtypes = []
     dll.kvs_int4_supported.restype = i32
     for f in (dll.kvs_rope_write_kv, dll.kvs_add_rms_norm, dll.kvs_silu_mul, dll.kvs_decode_attention,
-              dll.kvs_int4_linear):
+              dll.kvs_int4_linear, dll.kvs_llama_decode_int4):
         f.restype = None
     return dll
 

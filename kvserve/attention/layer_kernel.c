@@ -18,6 +18,14 @@ void kvq_decode_attention(const float *q, const uint8_t *kc, const uint8_t *vc, 
                           const float *vs, const int64_t *block_tables, int64_t bt_stride,
                           const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
                           float scale, int code, int num_threads);
+int64_t kvq_attention_chunk(const int64_t *seq_lens, int B, int bs, int num_threads);
+int64_t kvq_attention_items(const int64_t *seq_lens, int B, int64_t chunk, int64_t *first);
+void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks,
+                               const float *vs, const int64_t *block_tables, int64_t bt_stride,
+                               const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
+                               float scale, int code, int64_t chunk, const int64_t *first, float *part);
+void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
+                          float *xsum);
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t b = (uint32_t)h << 16;
@@ -85,18 +93,26 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
     if (in == IN && act == ACT && cache_code == CC) { \
         rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, t, slot, H, Hkv, d, IN, ACT, CC); continue; }
 __attribute__((optimize("fp-contract=off")))
-void kvs_rope_write_kv(const void *qkv, int in, int64_t row_stride, const int64_t *positions, const float *cos_t,
-                       const float *sin_t, void *q_out, void *k_out, void *key_cache, void *value_cache,
-                       const int64_t *slot_mapping, int64_t T, int H, int Hkv, int d, int act,
-                       int cache_code, int num_threads) {
+static void rope_team(const void *qkv, int in, int64_t row_stride, const int64_t *positions, const float *cos_t,
+                      const float *sin_t, void *q_out, void *k_out, void *key_cache, void *value_cache,
+                      const int64_t *slot_mapping, int64_t T, int H, int Hkv, int d, int act, int cache_code) {
     const int half = d / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 16)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_t + positions[t] * half, *s = sin_t + positions[t] * half;
         const int64_t row = t * row_stride, slot = slot_mapping[t];
         ROPE_CASE(4, 4, 4) ROPE_CASE(4, 4, 3) ROPE_CASE(3, 3, 3) ROPE_CASE(3, 3, 4)
         ROPE_CASE(4, 3, 3) ROPE_CASE(4, 3, 4) ROPE_CASE(3, 4, 4) ROPE_CASE(3, 4, 3)
     }
+}
+
+void kvs_rope_write_kv(const void *qkv, int in, int64_t row_stride, const int64_t *positions, const float *cos_t,
+                       const float *sin_t, void *q_out, void *k_out, void *key_cache, void *value_cache,
+                       const int64_t *slot_mapping, int64_t T, int H, int Hkv, int d, int act,
+                       int cache_code, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (T >= 16)
+    rope_team(qkv, in, row_stride, positions, cos_t, sin_t, q_out, k_out, key_cache, value_cache, slot_mapping, T,
+              H, Hkv, d, act, cache_code);
 }
 
 static inline __attribute__((always_inline)) void rms_norm_row(
@@ -122,13 +138,19 @@ static inline __attribute__((always_inline)) void rms_norm_row(
  * `x + residual` would be): out = x / sqrt(mean(x^2) + eps) * w, in float32, rounded to the activation
  * dtype and stored in out_code (bfloat16 out of a float32 model = the eager result cast to bf16).
  * w: [n] in w_code (3 or 4). */
-void kvs_add_rms_norm(void *x, const void *residual, int res_code, const void *w, int w_code, float eps, void *out,
-                      int out_code, int64_t T, int n, int act, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 16)
+static void rms_norm_team(void *x, const void *residual, int res_code, const void *w, int w_code, float eps,
+                          void *out, int out_code, int64_t T, int n, int act) {
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         if (act == 4) rms_norm_row(x, residual, res_code, w, w_code, eps, out, out_code, t * n, n, 4);
         else rms_norm_row(x, residual, res_code, w, w_code, eps, out, out_code, t * n, n, 3);
     }
+}
+
+void kvs_add_rms_norm(void *x, const void *residual, int res_code, const void *w, int w_code, float eps, void *out,
+                      int out_code, int64_t T, int n, int act, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (T >= 16)
+    rms_norm_team(x, residual, res_code, w, w_code, eps, out, out_code, T, n, act);
 }
 
 static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, int in, void *out, int out_code,
@@ -145,12 +167,17 @@ static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, i
 /* SwiGLU's elementwise part: out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g * sigmoid(g) rounded
  * to the activation dtype before the product (as eager F.silu(gate) * up). gu: [T, 2I] in code `in`;
  * out: [T, I] in out_code (the activation dtype's result, cast). */
-void kvs_silu_mul(const void *gu, int in, void *out, int out_code, int64_t T, int I, int act, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 16)
+static void silu_mul_team(const void *gu, int in, void *out, int out_code, int64_t T, int I, int act) {
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         if (act == 4) silu_mul_row(gu, in, out, out_code, t, I, 4);
         else silu_mul_row(gu, in, out, out_code, t, I, 3);
     }
+}
+
+void kvs_silu_mul(const void *gu, int in, void *out, int out_code, int64_t T, int I, int act, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (T >= 16)
+    silu_mul_team(gu, in, out, out_code, T, I, act);
 }
 
 /* kvq_decode_attention on q [B, H, d] in `act` (3 or 4), out [B, H, d] stored in out_code: the
@@ -171,4 +198,61 @@ void kvs_decode_attention(const void *q, const uint8_t *kc, const uint8_t *vc, c
         for (int64_t i = 0; i < n; i++) of[i] = round_to(of[i], act);
     if (act != 3) free(qf);
     if (out_code != 3) free(of);
+}
+
+/* One decode step of a Llama model whose four matrices per layer are int4 tiles (int4_gemm.c), inside a
+ * single parallel region: the same calls, in the same order and with the same roundings, as
+ * kvserve.models.llama_decode.LlamaDecodePlan's loop (norm, QKV, RoPE + KV write, attention, O, norm,
+ * gate/up, SiLU, down), with barriers between them instead of a Python call, a fork and a join each.
+ *
+ * layers: [L, 8] pointers per layer: QKV, O, gate/up, down tiles; input and post-attention norm weights
+ * (norm_code 3 or 4); key and value caches ([num_slots, Hkv, d] in cache_code 3 or 4). x: [B, n]
+ * residual stream (act 3 or 4), updated in place; out: [B, n] final-norm hidden states (act).
+ * Matmul inputs and outputs are bfloat16, as Int4Linear takes and returns them. */
+void kvs_llama_decode_int4(const int64_t *layers, int L, int norm_code, void *x, const int64_t *positions,
+                           const float *cos_t, const float *sin_t, const int64_t *slot_mapping,
+                           const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
+                           const void *final_norm, void *out, int B, int n, int H, int Hkv, int d, int I, float eps,
+                           float scale, int bs, int act, int cache_code, int num_threads) {
+    const int W = (H + 2 * Hkv) * d, Kmax = n > I ? (n > H * d ? n : H * d) : (I > H * d ? I : H * d);
+    const int64_t chunk = kvq_attention_chunk(seq_lens, B, bs, num_threads);
+    int64_t *first = malloc(sizeof(int64_t) * (B + 1));
+    const int64_t items = kvq_attention_items(seq_lens, B, chunk, first);
+    const int64_t hd = (int64_t)B * H * d;
+    float *part = malloc(sizeof(float) * (size_t)(items * H * (d + 2)));
+    float *qf = malloc(sizeof(float) * (size_t)(2 * hd)), *of = qf + hd;
+    float *xsum = malloc(sizeof(float) * (size_t)(B * (Kmax / 32 + 1)));
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)B * (size_t)(n + W + H * d + n + 2 * I + I + n));
+    uint16_t *qkv = h + (int64_t)B * n, *o = qkv + (int64_t)B * W, *a = o + hd, *gu = a + (int64_t)B * n;
+    uint16_t *g = gu + (int64_t)B * 2 * I, *delta = g + (int64_t)B * I;
+    void *q = act == 3 ? (void *)qf : (void *)of;  /* RoPE's queries in the activation dtype */
+#pragma omp parallel num_threads(num_threads)
+    for (int l = 0; l < L; l++) {
+        const int64_t *p = layers + 8 * l;
+        const uint16_t *w_qkv = (const uint16_t *)p[0], *w_o = (const uint16_t *)p[1];
+        const uint16_t *w_gu = (const uint16_t *)p[2], *w_down = (const uint16_t *)p[3];
+        void *kc = (void *)p[6], *vc = (void *)p[7];
+        rms_norm_team(x, l ? delta : NULL, 4, (const void *)p[4], norm_code, eps, h, 4, B, n, act);
+        kvs_int4_linear_team(h, B, n, w_qkv, W, qkv, 4, xsum);
+        rope_team(qkv, 4, W, positions, cos_t, sin_t, q, NULL, kc, vc, slot_mapping, B, H, Hkv, d, act, cache_code);
+        if (act != 3) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < hd; i++) qf[i] = load(q, i, act);
+        }
+        kvq_decode_attention_team(qf, kc, vc, NULL, NULL, block_tables, bt_stride, seq_lens, of, B, H, Hkv, d, bs,
+                                  scale, cache_code, chunk, first, part);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < hd; i++) o[i] = float_to_bf16(round_to(of[i], act));
+        kvs_int4_linear_team(o, B, H * d, w_o, n, a, 4, xsum);
+        rms_norm_team(x, a, 4, (const void *)p[5], norm_code, eps, h, 4, B, n, act);
+        kvs_int4_linear_team(h, B, n, w_gu, 2 * I, gu, 4, xsum);
+        silu_mul_team(gu, 4, g, 4, B, I, act);
+        kvs_int4_linear_team(g, B, I, w_down, n, delta, 4, xsum);
+    }
+    rms_norm_team(x, delta, 4, final_norm, norm_code, eps, out, act, B, n, act);
+    free(h);
+    free(xsum);
+    free(qf);
+    free(part);
+    free(first);
 }
