@@ -61,6 +61,18 @@ def test_decode_single_sequence_exact_block_multiple(decode_path):
     assert torch.allclose(fast, ref, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("head_dim,block_size", [(16, 16), (64, 16), (64, 32), (128, 5), (256, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_with_kernel_head_dims_and_blocks(head_dim, block_size, dtype, decode_path):
+    """Head dims that are multiples of 16 take the kernel's 16-tokens-at-a-time score loop: every lane of
+    its transpose-and-add must land on its own token (whole 16-token groups, blocks of 32 = two groups,
+    blocks of 5 = partial groups, sequences ending mid-group)."""
+    fast, ref = _run(9, 3, [40, 100, 17, 0], [1, 1, 1, 1], block_size=block_size, head_dim=head_dim,
+                     dtype=dtype)
+    tol = TOL if dtype == torch.float32 else 2e-2
+    assert (fast.float() - ref.float()).abs().max() < tol
+
+
 def test_bfloat16_close_to_reference(decode_path):
     fast, ref = _run(8, 2, [4, 7, 0], [1, 1, 6], dtype=torch.bfloat16)
     assert (fast.float() - ref.float()).abs().max() < 2e-2

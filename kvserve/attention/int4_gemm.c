@@ -27,9 +27,7 @@
 #include <string.h>
 
 #define INT4_RECORD 160 /* uint16 per (tile, group) record */
-#ifndef INT4_PREFETCH
-#define INT4_PREFETCH (24 * INT4_RECORD) /* prefetch distance, uint16 (tuned on SmolLM2's matrices) */
-#endif
+#define INT4_PREFETCH (24 * INT4_RECORD) /* prefetch distance, uint16: 24 records, tuned on SmolLM2's matrices */
 
 static inline float i4_bf16_to_float(uint16_t h) {
     uint32_t b = (uint32_t)h << 16;
