@@ -36,10 +36,11 @@ GROUP_SIZE = 32  # weights per scale: GGUF's block size
 KERNEL_DTYPE = torch.bfloat16
 # Steps of at least DENSE_MIN_TOKENS tokens (prefill chunks, large decode batches) multiply with a
 # bfloat16 copy of the dequantized weights: the int4/int8 kernels dequantize every weight again for each
-# few rows, so their time grows with the rows (SmolLM2's 30 layers: int4 4.8 ms at 1 row, 13 at 8, 25
-# at 16), while a bf16 GEMM (AMX / AVX512-BF16) stays near its weight-read time (~16 ms at 1-16 rows
-# with the copy prepacked in oneDNN's blocked layout, ~23 ms unpacked; 4-10x faster than int4 at 256+
-# rows). The copy is prepacked when oneDNN has bf16 here (the crossover is then ~12 rows), else plain.
+# few rows, so their time grows with the rows (SmolLM2's 30 layers, kvserve's int4 kernel: 3.6 ms at 1
+# row, 10 at 4, 13 at 8, 19 at 12, 25 at 16), while a bf16 GEMM (AMX / AVX512-BF16) stays near its
+# weight-read time (~15-16 ms at 1-16 rows with the copy prepacked in oneDNN's blocked layout, ~23 ms
+# unpacked; 4-10x faster than int4 at 256+ rows). The copy is prepacked when oneDNN has bf16 here (the
+# crossover is then ~12 rows), else plain.
 MKLDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 DENSE_MIN_TOKENS = 12 if MKLDNN_BF16 else 32
 
