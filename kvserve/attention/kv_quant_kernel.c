@@ -83,6 +83,98 @@ static inline __attribute__((always_inline)) void v_pass_float(
     }
 }
 
+/* v_pass_float for all G query rows at once, when their G·d/16 accumulators fit in registers (≤ 16):
+ * each V row is loaded and converted once instead of once per query row. Every accumulator sums over
+ * the tokens in the same order as in v_pass_float. */
+static inline __attribute__((always_inline)) void v_pass_float_rows(
+        const uint8_t *vc, const int64_t *table, int64_t t_begin, int64_t t_end, const float *scores, int64_t L,
+        float *acc, const int G, int Hkv, int h, const int d, int bs, int code) {
+    const int64_t es = elem_size(code);
+    const int C = d / 16;
+    v16f a[16];
+    for (int i = 0; i < G * C; i++) a[i] = (v16f){0};
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
+        const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
+        for (int64_t j = 0; j < n; j++) {
+            const uint8_t *row = vc + ((base + j) * Hkv + h) * d * es;
+            const float *w = scores + (t0 + j - t_begin);
+            for (int c = 0; c < C; c++) {
+                const v16f v = load16(row + c * 16 * es, code);
+                for (int g = 0; g < G; g++) a[g * C + c] += w[g * L] * v;
+            }
+        }
+    }
+    for (int i = 0; i < G * C; i++) memcpy(acc + i * 16, &a[i], sizeof a[i]);
+}
+
+/* The V pass for float32/bfloat16 caches (d % 16 == 0, d <= 256), all rows at once where that fits. */
+static inline __attribute__((always_inline)) void v_pass(
+        const uint8_t *vc, const int64_t *table, int64_t t_begin, int64_t t_end, const float *scores, int64_t L,
+        float *acc, int G, int Hkv, int h, const int d, int bs, int code) {
+#define V_ROWS(GG, DD) \
+    if (G == GG && d == DD) { v_pass_float_rows(vc, table, t_begin, t_end, scores, L, acc, GG, Hkv, h, DD, bs, code); return; }
+    V_ROWS(1, 64) V_ROWS(2, 64) V_ROWS(3, 64) V_ROWS(4, 64) V_ROWS(1, 128) V_ROWS(2, 128) V_ROWS(1, 256)
+#undef V_ROWS
+    v_pass_float(vc, table, t_begin, t_end, scores, L, acc, G, Hkv, h, d, bs, code);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_K_PASS_BF16 1
+
+/* lane t of the result = the sum of the 16 lanes of v[t] (a transpose-and-add tree: 46 shuffles and adds
+ * where 16 separate horizontal sums take ~130). */
+static inline __m512 transpose_sum16(const __m512 *v) {
+    __m512 w[8], x[4];
+    for (int k = 0; k < 8; k++)  /* w[k]: 128-bit lanes 0-1 partial sums of v[2k], lanes 2-3 of v[2k+1] */
+        w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+    for (int k = 0; k < 4; k++)  /* x[k]: 128-bit lane L holds 4 partial sums of v[4k + L] */
+        x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xDD));
+    const __m512 y0 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+    const __m512 y1 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    const __m512d a = _mm512_castps_pd(y0), b = _mm512_castps_pd(y1);
+    /* z lane 4L + m = sum of v[4m + L] */
+    const __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+}
+
+/* The scores against a bfloat16 key cache when the queries are bfloat16 values (a bfloat16 model's):
+ * q·k by AVX512-BF16 pair dot products straight from the cache (products of two bfloat16 are exact in
+ * float32; vdpbf16ps accumulates in float32 and treats denormals as zero), 16 tokens at a time reduced
+ * by one transpose_sum16. d % 32 == 0, d <= 256; qh: [G, d] the queries as bfloat16 bits. */
+static inline __attribute__((always_inline)) void k_pass_bf16(
+        const uint16_t *qh, const uint8_t *kc, const uint8_t *vc, const int64_t *table, int64_t t_begin,
+        int64_t t_end, float *scores, int64_t L, float *mx, int G, int Hkv, int h, const int d, int bs, float scale) {
+    const int D = d / 32;
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
+        const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
+        if (t0 + bs < t_end) prefetch_block(kc, vc, table[t0 / bs + 1] * bs, bs, Hkv, d * 2);
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            const int nj = n - j0 < 16 ? (int)(n - j0) : 16;
+            const __mmask16 live = (__mmask16)((1u << nj) - 1u);
+            for (int g = 0; g < G; g++) {
+                __m512bh q[8];
+                for (int c = 0; c < D; c++) q[c] = (__m512bh)_mm512_loadu_si512(qh + g * d + 32 * c);
+                __m512 v[16];
+                for (int j = 0; j < 16; j++) {
+                    v[j] = _mm512_setzero_ps();
+                    if (j >= nj) continue;
+                    const uint16_t *row = (const uint16_t *)kc + ((base + j0 + j) * Hkv + h) * d;
+                    for (int c = 0; c < D; c++)
+                        v[j] = _mm512_dpbf16_ps(v[j], (__m512bh)_mm512_loadu_si512(row + 32 * c), q[c]);
+                }
+                const __m512 sc = _mm512_mul_ps(transpose_sum16(v), _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(scores + g * L + (t0 - t_begin) + j0, live, sc);
+                const float m = _mm512_mask_reduce_max_ps(live, sc);
+                if (m > mx[g]) mx[g] = m;
+            }
+        }
+    }
+}
+#endif
+
 /* One (sequence, kv head, chunk of tokens [t_begin, t_end)): G query rows. Writes the chunk's partial
  * softmax state (flash-decoding, Dao et al. 2023): running max mx[G], sum of exp sum[G] and the
  * unnormalized output acc[G, d]. Inlined with d a literal (64/128/256) so the row loops unroll and
@@ -90,12 +182,23 @@ static inline __attribute__((always_inline)) void v_pass_float(
 static inline __attribute__((always_inline)) void attend_chunk(
         const float *qb, const uint8_t *kc, const uint8_t *vc, const float *ks, const float *vs,
         const int64_t *table, int64_t t_begin, int64_t t_end, float *acc, float *mx, float *sum,
-        int G, int Hkv, int h, const int d, int bs, float scale, int code) {
+        int G, int Hkv, int h, const int d, int bs, float scale, int code, int q_bf16) {
     const int64_t L = t_end - t_begin;
-    float *scores = malloc(sizeof(float) * (size_t)(G * L + d));
+    float *scores = malloc(sizeof(float) * (size_t)(G * L + d) + sizeof(uint16_t) * (size_t)(G * d));
     float *row = scores + G * L;
     const int64_t es = elem_size(code);
     for (int g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.f; }
+#ifdef HAVE_K_PASS_BF16
+    if (q_bf16 && code == 4 && d % 32 == 0 && d <= 256) {
+        uint16_t *qh = (uint16_t *)(row + d);
+        for (int i = 0; i < G * d; i++) {  /* exact: the queries are bfloat16 values */
+            uint32_t b;
+            memcpy(&b, qb + i, 4);
+            qh[i] = (uint16_t)(b >> 16);
+        }
+        k_pass_bf16(qh, kc, vc, table, t_begin, t_end, scores, L, mx, G, Hkv, h, d, bs, scale);
+    } else
+#endif
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
         if (t0 + bs < t_end) prefetch_block(kc, vc, table[t0 / bs + 1] * bs, bs, Hkv, d * es);
@@ -121,7 +224,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
         sum[g] = z;
     }
     if ((code == 3 || code == 4) && d % 16 == 0 && d <= 256) {  /* float caches: accumulators in registers */
-        v_pass_float(vc, table, t_begin, t_end, scores, L, acc, G, Hkv, h, d, bs, code);
+        v_pass(vc, table, t_begin, t_end, scores, L, acc, G, Hkv, h, d, bs, code);
         free(scores);
         return;
     }
@@ -164,7 +267,8 @@ int64_t kvq_attention_items(const int64_t *seq_lens, int B, int64_t chunk, int64
 void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks,
                                const float *vs, const int64_t *block_tables, int64_t bt_stride,
                                const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
-                               float scale, int code, int64_t chunk, const int64_t *first, float *part) {
+                               float scale, int code, int64_t chunk, const int64_t *first, float *part,
+                               int q_bf16) {
     const int G = H / Hkv;
     const int64_t num_items = first[B];
     /* partial state of (sequence b, kv head h, chunk c) at index first[b] * Hkv + h * nchunks_b + c */
@@ -179,10 +283,10 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
             const float *qb = q + ((int64_t)b * H + (int64_t)h * G) * d;
             float *acc = part + (first[b] * Hkv + h * nchunks + c) * G * (d + 2), *mx = acc + G * d, *sum = mx + G;
             switch (d) {
-                case 64: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 64, bs, scale, code); break;
-                case 128: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 128, bs, scale, code); break;
-                case 256: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 256, bs, scale, code); break;
-                default: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, d, bs, scale, code);
+                case 64: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 64, bs, scale, code, q_bf16); break;
+                case 128: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 128, bs, scale, code, q_bf16); break;
+                case 256: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 256, bs, scale, code, q_bf16); break;
+                default: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, d, bs, scale, code, q_bf16);
             }
         }
     }
@@ -213,18 +317,20 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
  * Work items are (sequence, chunk of tokens) so one long sequence keeps every thread busy; an item runs
  * its KV heads one after another over the same blocks, so each block comes from memory once (the other
  * heads find it in L2; items per head would stream every block from DRAM once per head). The chunks'
- * partial softmax states are then merged: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) z_c. */
+ * partial softmax states are then merged: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) z_c.
+ * q_bf16: every q value is a bfloat16 value (a bfloat16 model's), which lets a bfloat16 key cache be
+ * read with bf16 dot products (k_pass_bf16). */
 void kvq_decode_attention(const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks,
                           const float *vs, const int64_t *block_tables, int64_t bt_stride,
                           const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
-                          float scale, int code, int num_threads) {
+                          float scale, int code, int num_threads, int q_bf16) {
     const int64_t chunk = kvq_attention_chunk(seq_lens, B, bs, num_threads);
     int64_t *first = malloc(sizeof(int64_t) * (B + 1));
     const int64_t num_items = kvq_attention_items(seq_lens, B, chunk, first);
     float *part = malloc(sizeof(float) * (size_t)(num_items * H * (d + 2)));
 #pragma omp parallel num_threads(num_threads)
     kvq_decode_attention_team(q, kc, vc, ks, vs, block_tables, bt_stride, seq_lens, out, B, H, Hkv, d, bs, scale,
-                              code, chunk, first, part);
+                              code, chunk, first, part, q_bf16);
     free(part);
     free(first);
 }

@@ -49,7 +49,7 @@ def load() -> ctypes.CDLL | None:
             return None
     dll = ctypes.CDLL(str(lib))
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    dll.kvq_decode_attention.argtypes = [p, p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, i32]
+    dll.kvq_decode_attention.argtypes = [p, p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, i32, i32]
     dll.kvq_decode_attention.restype = None
     dll.kvq_dequantize.argtypes = [p, p, p, i64, i32, i32, i32]
     dll.kvq_dequantize.restype = None
@@ -82,7 +82,7 @@ def decode_attention(dll: ctypes.CDLL, q: torch.Tensor, k_codes: torch.Tensor, v
     dll.kvq_decode_attention(q.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(), k_scale.data_ptr(),
                              v_scale.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                              seq_lens.data_ptr(), out.data_ptr(), B, H, Hkv, d, bs, scale, CODES[kind],
-                             torch.get_num_threads())
+                             torch.get_num_threads(), 0)
     return out
 
 
@@ -100,7 +100,7 @@ def float_decode_attention(dll: ctypes.CDLL, q: torch.Tensor, key_cache: torch.T
     out = torch.empty_like(q)
     dll.kvq_decode_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), None, None,
                              block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
-                             B, H, Hkv, d, bs, scale, CODES[kind], torch.get_num_threads())
+                             B, H, Hkv, d, bs, scale, CODES[kind], torch.get_num_threads(), 0)
     return out
 
 

@@ -17,13 +17,14 @@
 void kvq_decode_attention(const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks,
                           const float *vs, const int64_t *block_tables, int64_t bt_stride,
                           const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
-                          float scale, int code, int num_threads);
+                          float scale, int code, int num_threads, int q_bf16);
 int64_t kvq_attention_chunk(const int64_t *seq_lens, int B, int bs, int num_threads);
 int64_t kvq_attention_items(const int64_t *seq_lens, int B, int64_t chunk, int64_t *first);
 void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks,
                                const float *vs, const int64_t *block_tables, int64_t bt_stride,
                                const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
-                               float scale, int code, int64_t chunk, const int64_t *first, float *part);
+                               float scale, int code, int64_t chunk, const int64_t *first, float *part,
+                               int q_bf16);
 void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
                           float *xsum);
 
@@ -191,7 +192,7 @@ void kvs_decode_attention(const void *q, const uint8_t *kc, const uint8_t *vc, c
     if (act != 3)
         for (int64_t i = 0; i < n; i++) qf[i] = load(q, i, act);
     kvq_decode_attention(qf, kc, vc, NULL, NULL, block_tables, bt_stride, seq_lens, of, B, H, Hkv, d, bs, scale,
-                         cache_code, num_threads);
+                         cache_code, num_threads, act == 4);
     if (out_code != 3)
         for (int64_t i = 0; i < n; i++) store(out, i, round_to(of[i], act), out_code);
     else if (act != 3)
@@ -240,7 +241,7 @@ void kvs_llama_decode_int4(const int64_t *layers, int L, int norm_code, void *x,
             for (int64_t i = 0; i < hd; i++) qf[i] = load(q, i, act);
         }
         kvq_decode_attention_team(qf, kc, vc, NULL, NULL, block_tables, bt_stride, seq_lens, of, B, H, Hkv, d, bs,
-                                  scale, cache_code, chunk, first, part);
+                                  scale, cache_code, chunk, first, part, act == 4);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < hd; i++) o[i] = float_to_bf16(round_to(of[i], act));
         kvs_int4_linear_team(o, B, H * d, w_o, n, a, 4, xsum);
