@@ -198,7 +198,7 @@ def test_one_call_int4_decode_step_equals_the_flat_loop(dtype, kv_dtype):
     from kvserve import SamplingParams
     from tests.conftest import tiny_llm
 
-    lens = (1, 15, 16, 17, 33, 70)
+    lens = (1, 15, 16, 17, 33, 70) * 3  # 18 rows: two AMX blocks where the int4 kernel has AMX
     sp = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
     runs = []
     for one_call in (True, False):

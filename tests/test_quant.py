@@ -57,14 +57,15 @@ def test_int4_linear_keeps_gguf_codes_with_bf16_scales(type_name):
     assert (err <= bound).all(), float((err / bound).max())
 
 
-@pytest.mark.parametrize("T", [1, 3, 5, 11, 40])
+@pytest.mark.parametrize("T", [1, 3, 5, 11, 17, 33, 40])
 @pytest.mark.parametrize("kind", ["int4", "int4-torch", "int8"])
 def test_packed_matmul_matches_float32_reference(kind, T):
     """|y − x·Wᵀ| ≤ 2⁻⁶ · Σ_k |x_k W_nk|: x, y (and, for T ≥ 12 tokens, the bf16 prefill copy of W) are
     rounded to bfloat16 (unit roundoff 2⁻⁸ each) around a float32 accumulation; a wrong code, scale or
-    zero breaks the bound by orders. T < 12 runs the packed kernel (kvserve's int4 kernel takes rows four
-    at a time: 5 and 11 leave partial blocks), T = 40 the dense prefill path. "int4-torch" is the
-    fallback on PyTorch's int4 kernel."""
+    zero breaks the bound by orders. Below ``dense_min_tokens`` rows the packed kernel runs (kvserve's
+    int4 kernel: rows four at a time on AVX512-BF16 below 4 rows, 16 at a time on AMX from 4: 5, 11,
+    17, 33 leave partial blocks), from it the dense prefill path. "int4-torch" is the fallback on
+    PyTorch's int4 kernel."""
     g = torch.Generator().manual_seed(T)
     w = torch.randn(96, 192, generator=g)
     bias = torch.randn(96, generator=g)

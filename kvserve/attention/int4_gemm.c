@@ -90,6 +90,93 @@ static inline __attribute__((always_inline)) void int4_tile(const uint16_t *rec,
     for (int m = 0; m < MB; m++) _mm512_storeu_ps(out + 16 * m, y[m]);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+
+static int amx_granted = 0;
+
+/* Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); 1 when granted.
+ * Called once, single-threaded, when the library loads. */
+int kvs_int4_amx_enable(void) {
+    amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_granted;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* tile 0: C [rows × 16] float32; tile 1: A = rows of x [rows × 32] bfloat16; tile 2: B = one record's
+ * weights as 16 input pairs × (16 outputs × 2) bfloat16, the VNNI layout the records' lanes already have */
+static void amx_configure(int rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = cfg.rows[1] = (uint8_t)rows;
+    cfg.rows[2] = 16;
+    cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[2] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* rows (<= 16) rows of x × one tile of 16 weight rows with AMX: per group, the 16 code vectors become
+ * bf16 (q − 8) (as in int4_tile) and are stored as the B tile; C = A·B holds each row's 16 group sums
+ * A_g, and y += scale·A_g + zero·X_g as in int4_tile. The same products and float32 sums as int4_tile,
+ * in another order. The tile configuration must be amx_configure(rows). */
+static void int4_tile_amx(const uint16_t *rec, int G, const uint16_t *x, int64_t xs, const float *xsum, float *out,
+                          int rows) {
+    static const uint16_t lut[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+                                     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                                     0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+                                     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+    const __m512i table = _mm512_loadu_si512(lut);
+    uint16_t b[16 * 32] __attribute__((aligned(64)));
+    float c[16 * 16] __attribute__((aligned(64)));
+    __m512 y[16];
+    for (int m = 0; m < rows; m++) y[m] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++, rec += INT4_RECORD) {
+        for (int l = 0; l < INT4_RECORD * 2; l += 64) __builtin_prefetch((const char *)(rec + INT4_PREFETCH) + l, 0, 3);
+        for (int ch = 0; ch < 4; ch++) {
+            const __m512i v = _mm512_loadu_si512(rec + 32 * ch);
+            for (int j = 0; j < 4; j++)
+                _mm512_store_si512(b + 32 * (4 * ch + j), _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4 * j), table));
+        }
+        _tile_zero(0);
+        _tile_loadd(1, x + 32 * g, xs * 2);
+        _tile_loadd(2, b, 64);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_stored(0, c, 64);
+        const __m512 scale = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 128))), 16));
+        const __m512 zero = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 144))), 16));
+        for (int m = 0; m < rows; m++) {
+            y[m] = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * m), scale, y[m]);
+            y[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * G + g]), zero, y[m]);
+        }
+    }
+    for (int m = 0; m < rows; m++) _mm512_storeu_ps(out + 16 * m, y[m]);
+}
+#else
+int kvs_int4_amx_enable(void) { return 0; }
+#endif
+
+#ifndef INT4_AMX_MIN_ROWS
+#define INT4_AMX_MIN_ROWS 4 /* from this many rows of x, AMX (measured crossover on SmolLM2's matrices) */
+#endif
+
+static inline void store_rows(const float *out, int rows, int64_t m0, int64_t N, int t, void *y, int out_code) {
+    for (int m = 0; m < rows; m++) {
+        const int64_t base = (m0 + m) * N + 16 * (int64_t)t;
+        if (out_code == 3) memcpy((float *)y + base, out + 16 * m, 16 * sizeof(float));
+        else
+            for (int i = 0; i < 16; i++) ((uint16_t *)y)[base + i] = i4_float_to_bf16(out[16 * m + i]);
+    }
+}
+
 /* The matmul below, run by every thread of an enclosing parallel region (outside one: by the caller
  * alone). xsum: [M, K/32] float32 scratch shared by the team. Ends with a barrier. */
 void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
@@ -102,6 +189,24 @@ void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w
             for (int k = 0; k < 32; k++) s += i4_bf16_to_float(x[m * K + 32 * g + k]);
             xsum[m * G + g] = s;
         }
+#ifdef HAVE_AMX
+    if (amx_granted && M >= INT4_AMX_MIN_ROWS) {  /* blocks of 16 rows of x, each over this thread's tiles */
+        float out[16 * 16];
+        int configured = 0;
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+            const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
+            if (rows != configured) { amx_configure(rows); configured = rows; }
+#pragma omp for schedule(static) nowait
+            for (int t = 0; t < tiles; t++) {
+                int4_tile_amx(w + (int64_t)t * G * INT4_RECORD, G, x + m0 * K, K, xsum + m0 * G, out, rows);
+                store_rows(out, rows, m0, N, t, y, out_code);
+            }
+        }
+        _tile_release();
+#pragma omp barrier
+        return;
+    }
+#endif
 #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         const uint16_t *rec = w + (int64_t)t * G * INT4_RECORD;
@@ -116,12 +221,7 @@ void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w
                 case 2: int4_tile(rec, G, xr, K, xsr, out, 2); break;
                 default: int4_tile(rec, G, xr, K, xsr, out, 1); break;
             }
-            for (int m = 0; m < mb; m++) {
-                const int64_t base = (m0 + m) * (int64_t)N + 16 * (int64_t)t;
-                if (out_code == 3) memcpy((float *)y + base, out + 16 * m, 16 * sizeof(float));
-                else
-                    for (int i = 0; i < 16; i++) ((uint16_t *)y)[base + i] = i4_float_to_bf16(out[16 * m + i]);
-            }
+            store_rows(out, mb, m0, N, t, y, out_code);
         }
     }
 }
@@ -140,6 +240,7 @@ void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int
 #else
 
 int kvs_int4_supported(void) { return 0; }
+int kvs_int4_amx_enable(void) { return 0; }
 
 void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
                           float *xsum) {

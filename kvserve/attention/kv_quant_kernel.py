@@ -62,6 +62,9 @@ def load() -> ctypes.CDLL | None:
                                           f32, f32, i32, i32, i32, i32]
     dll.kvs_int4_supported.argtypes = []
     dll.kvs_int4_supported.restype = i32
+    dll.kvs_int4_amx_enable.argtypes = []
+    dll.kvs_int4_amx_enable.restype = i32
+    dll.amx = bool(dll.kvs_int4_amx_enable())  # AMX tile state granted: int4 steps of >= 4 rows use it
     for f in (dll.kvs_rope_write_kv, dll.kvs_add_rms_norm, dll.kvs_silu_mul, dll.kvs_decode_attention,
               dll.kvs_int4_linear, dll.kvs_llama_decode_int4):
         f.restype = None

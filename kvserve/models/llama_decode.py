@@ -3,7 +3,7 @@ a captured CUDA graph.
 
 Per layer: RMSNorm, QKV matmul, RoPE + KV write, decode attention, O matmul, residual add + RMSNorm,
 gate/up matmul, SiLU·up, down matmul: nine calls, into buffers allocated once per step. When every matrix
-is int4 in kvserve's tile layout (no bias) and the step has fewer rows than ``DENSE_MIN_TOKENS``, the
+is int4 in kvserve's tile layout (no bias) and the step has fewer rows than the layers' ``dense_min_tokens``, the
 whole loop is one C call (``kvs_llama_decode_int4`` in ``layer_kernel.c``): the same kernels in one
 parallel region, with barriers where the loop returns to Python (SmolLM2 int4 batch 1: ~7 → ~4 ms). The kernels
 are the ones :class:`kvserve.models.llama.LlamaForCausalLM`'s modules call (the matmuls through the
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kvserve.attention import AttentionMetadata, kv_quant_kernel
 from kvserve.models.fused_ops import ACT_CODES, MAX_ROPE_HEAD_DIM
-from kvserve.models.quant import DENSE_MIN_TOKENS, KERNEL_DTYPE, Int4Linear, PackedLinear
+from kvserve.models.quant import KERNEL_DTYPE, Int4Linear, PackedLinear
 
 
 class LlamaDecodePlan:
@@ -57,6 +57,7 @@ class LlamaDecodePlan:
         if len(norm_codes) == 1 and all(isinstance(m, Int4Linear) and m.layout == "tiles" and m.bias is None
                                         for ms in linears for m in ms):
             self.norm_code = norm_codes.pop()
+            self.one_call_rows = min(m.dense_min_tokens for ms in linears for m in ms)  # more rows: the dense copy
             self.int4_layers = torch.tensor(
                 [[m.packed.data_ptr() for m in ms] + [layer.input_layernorm.weight.data_ptr(),
                  layer.post_attention_layernorm.weight.data_ptr(), kc.data_ptr(), vc.data_ptr()]
@@ -83,7 +84,7 @@ class LlamaDecodePlan:
         B = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)  # [B, hidden]: the residual stream, updated in place
         act, cc, nt = ACT_CODES[x.dtype], self.cache_code, torch.get_num_threads()
-        if self.int4_layers is not None and B < DENSE_MIN_TOKENS:  # the loop below in one call (kvs_llama_decode_int4)
+        if self.int4_layers is not None and B < self.one_call_rows:  # the loop below in one call (kvs_llama_decode_int4)
             out = torch.empty_like(x)
             tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
             dll.kvs_llama_decode_int4(self.int4_layers.data_ptr(), len(self.layers), self.norm_code, x.data_ptr(),

@@ -36,13 +36,16 @@ GROUP_SIZE = 32  # weights per scale: GGUF's block size
 KERNEL_DTYPE = torch.bfloat16
 # Steps of at least DENSE_MIN_TOKENS tokens (prefill chunks, large decode batches) multiply with a
 # bfloat16 copy of the dequantized weights: the int4/int8 kernels dequantize every weight again for each
-# few rows, so their time grows with the rows (SmolLM2's 30 layers, kvserve's int4 kernel: 3.6 ms at 1
-# row, 10 at 4, 13 at 8, 19 at 12, 25 at 16), while a bf16 GEMM (AMX / AVX512-BF16) stays near its
-# weight-read time (~15-16 ms at 1-16 rows with the copy prepacked in oneDNN's blocked layout, ~23 ms
-# unpacked; 4-10x faster than int4 at 256+ rows). The copy is prepacked when oneDNN has bf16 here (the
-# crossover is then ~12 rows), else plain.
+# few rows, so their time grows with the rows (SmolLM2's 30 layers, kvserve's int4 kernel on AVX512-BF16
+# alone: 3.6 ms at 1 row, 10 at 4, 13 at 8, 19 at 12, 25 at 16), while a bf16 GEMM (AMX / AVX512-BF16)
+# stays near its weight-read time (~15-17 ms at 1-16 rows with the copy prepacked in oneDNN's blocked
+# layout, ~23 ms unpacked; 4-10x faster than int4 at 256+ rows). The copy is prepacked when oneDNN has
+# bf16 here (the crossover is then ~12 rows), else plain. Where kvserve's int4 kernel has AMX (one tile
+# product per 16 rows and 32 inputs), int4 stays ahead up to INT4_AMX_DENSE_MIN_TOKENS rows (30 layers:
+# 7.7 ms at 4 rows, 9.4 at 16, 16.4 at 32, 29 at 64 vs the copy's 17.5 / 19.3 / 22.4).
 MKLDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 DENSE_MIN_TOKENS = 12 if MKLDNN_BF16 else 32
+INT4_AMX_DENSE_MIN_TOKENS = 40
 
 
 @dataclass(slots=True)
@@ -99,7 +102,10 @@ def quantize_int4_minmax(w: torch.Tensor, group_size: int = GROUP_SIZE) -> Block
 class PackedLinear(nn.Module):
     """``y = x·Wᵀ + b`` with W packed; subclasses give the kernel (``_packed_mm``), ``dequantize`` and
     ``weight_nbytes``. x: [..., in_features] any float dtype → y: [..., out_features] in x's dtype.
-    Steps of ≥ ``DENSE_MIN_TOKENS`` rows multiply with ``dense``, a bfloat16 copy of ``dequantize()``."""
+    Steps of ≥ ``dense_min_tokens`` rows (``DENSE_MIN_TOKENS`` unless the kernel says otherwise) multiply
+    with ``dense``, a bfloat16 copy of ``dequantize()``."""
+
+    dense_min_tokens = DENSE_MIN_TOKENS
 
     in_features: int
     out_features: int
@@ -131,11 +137,11 @@ class PackedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == KERNEL_DTYPE and self.bias is None and x.shape[0] < DENSE_MIN_TOKENS:
+        if x.dim() == 2 and x.dtype == KERNEL_DTYPE and self.bias is None and x.shape[0] < self.dense_min_tokens:
             return self._packed_mm(x)  # a decode step's rows: nothing to reshape or cast
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # [T, K]
-        y = self._dense_mm(x2) if self.dense is not None and x2.shape[0] >= DENSE_MIN_TOKENS else self._packed_mm(x2)
+        y = self._dense_mm(x2) if self.dense is not None and x2.shape[0] >= self.dense_min_tokens else self._packed_mm(x2)
         y = y.to(x.dtype) if self.bias is None else y.to(x.dtype) + self.bias
         return y.view(*lead, self.out_features)  # [..., N]
 
@@ -215,6 +221,8 @@ class Int4Linear(PackedLinear):
             raise ValueError("layout='tiles' needs kvserve's int4 kernel (AVX512-BF16 CPU and a C compiler)")
         if self.layout == "tiles":
             self.register_buffer("packed", pack_int4_tiles(block.codes, scale.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)))
+            if int4_kernel().amx:
+                self.dense_min_tokens = INT4_AMX_DENSE_MIN_TOKENS
         else:
             codes = torch.from_numpy(np.ascontiguousarray(block.codes)).to(torch.int32)
             self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))  # [N, K/2] uint8
