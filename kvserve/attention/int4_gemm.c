@@ -5,8 +5,11 @@
  * Why: a decode step's time is weight bytes ÷ bandwidth. PyTorch's int4 kernel streams SmolLM2's
  * 576-wide matrices at ~16 GB/s and dequantizes every weight again for each few rows of x. Here each
  * 4-bit code becomes a bfloat16 weight with one table lookup (vpermw) and goes straight into an
- * AVX512-BF16 pair dot product (vdpbf16ps) with the bfloat16 activations, which keeps up with memory
- * on one core, and a step of several rows unpacks each weight once for up to four rows.
+ * AVX512-BF16 pair dot product (vdpbf16ps) with the bfloat16 activations, with software prefetch
+ * (SmolLM2's 120 matrices from memory: ~3 ms vs PyTorch's 3.6-4.0). From 4 rows of x, where the CPU and
+ * the kernel grant AMX, the 16 unpacked code vectors of a record are stored as an AMX B tile (their
+ * lanes are already in its VNNI pair layout) and one tile product serves 16 rows (30 layers at 16 rows:
+ * 9.4 ms vs 25 on the vdpbf16ps path).
  *
  * Packed layout (built by kvserve.models.quant.pack_int4_tiles): rows in tiles of 16; per (tile, group)
  * a record of 160 uint16:
@@ -19,8 +22,9 @@
  *
  * Arithmetic: per group, A = Σ_k (q − 8)·x_k in float32 (products of two bfloat16 are exact in float32;
  * vdpbf16ps accumulates with round-to-nearest-even and treats denormals as zero), X = Σ_k x_k, and
- * y += scale·A + zero·X. Differs from the dequantized float32 matmul only in summation order and in the
- * denormal flush.
+ * y += scale·A + zero·X. The AMX tile product (tdpbf16ps) computes the same A with the same rounding
+ * rules (float32 accumulation, denormals flushed) in another order. Differs from the dequantized float32
+ * matmul only in summation order and in the denormal flush.
  */
 #include <stdint.h>
 #include <stdlib.h>
