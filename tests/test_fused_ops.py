@@ -43,6 +43,29 @@ def test_rms_norm_matches_eager(dtype, rows):
     _close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("n", [64, 128, 576])
+def test_add_rms_norm_result_does_not_depend_on_the_residual_storage(n):
+    """The same residual values, stored as bfloat16 or as float32 (what the decode plan and the module path
+    of a float32 model with packed weights pass), must give the very same stream and norm: a sum of squares
+    grouped differently per storage type flipped 1-ulp roundings and then greedy tokens."""
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(n)
+    T = 17
+    for _ in range(20):
+        x0 = torch.randn(T, n, generator=g) * 3
+        r16 = torch.randn(T, n, generator=g).to(torch.bfloat16)
+        w = 1 + 0.3 * torch.randn(n, generator=g)
+        outs = []
+        for res, code in ((r16, 4), (r16.float(), 3)):
+            x, out = x0.clone(), torch.empty(T, n)
+            dll.kvs_add_rms_norm(x.data_ptr(), res.data_ptr(), code, w.data_ptr(), 3, 1e-5, out.data_ptr(), 3, T, n,
+                                 3, 2)
+            outs.append((x, out))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_float32_weight_on_bfloat16_rows(dtype):
     x = torch.randn(2, 64).to(dtype)

@@ -250,3 +250,23 @@ def test_bundled_model_answers_the_same_with_packed_weights(smollm2, smollm2_q4)
         a = smollm2.generate(prompt, sp)[0].outputs[0].text
         b = smollm2_q4.generate(prompt, sp)[0].outputs[0].text
         assert a.split()[0] == b.split()[0], (prompt, a, b)
+
+
+def test_bundled_float32_model_with_packed_weights_decodes_the_same_through_the_plan():
+    """The default configuration (float32 activations, the GGUF's int4 matrices and int8 LM head): the
+    decode plan (one C call here) and the module path give the same tokens and the very same logprobs for
+    a batch of 17 (the plan's kernels get bf16 matmul outputs where the modules pass float32 ones)."""
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m", weight_dtype="auto", progress=False, max_model_len=256, kv_cache_memory="64MiB",
+              enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    sp = SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)
+    prompts = (["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Once upon a time"] * 5)[:17]
+    runs = []
+    for use_plan in (True, False):
+        model.use_decode_plan = use_plan
+        model._plans.clear()
+        runs.append([(o.outputs[0].token_ids, [x.top_logprobs for x in o.outputs[0].logprobs])
+                     for o in llm.generate(prompts, sp)])
+    assert runs[0] == runs[1]

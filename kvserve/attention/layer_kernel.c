@@ -120,15 +120,10 @@ static inline __attribute__((always_inline)) void rms_norm_row(
         void *x, const void *residual, int res_code, const void *w, int w_code, float eps, void *out, int out_code,
         int64_t r, int n, const int act) {
     float ss = 0.f;
-    if (residual) {
-        for (int i = 0; i < n; i++) {
-            const float v = round_to(load(x, r + i, act) + load(residual, r + i, res_code), act);
-            store(x, r + i, v, act);
-            ss += v * v;
-        }
-    } else {
-        for (int i = 0; i < n; i++) { const float v = load(x, r + i, act); ss += v * v; }
-    }
+    if (residual)
+        for (int i = 0; i < n; i++)
+            store(x, r + i, round_to(load(x, r + i, act) + load(residual, r + i, res_code), act), act);
+    for (int i = 0; i < n; i++) { const float v = load(x, r + i, act); ss += v * v; }
     const float inv = 1.f / sqrtf(ss / (float)n + eps);
     for (int i = 0; i < n; i++)
         store(out, r + i, round_to(load(x, r + i, act) * inv * load(w, i, w_code), act), out_code);
