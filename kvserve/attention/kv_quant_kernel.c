@@ -143,34 +143,38 @@ static inline __m512 transpose_sum16(const __m512 *v) {
 /* The scores against a bfloat16 key cache when the queries are bfloat16 values (a bfloat16 model's):
  * q·k by AVX512-BF16 pair dot products straight from the cache (products of two bfloat16 are exact in
  * float32; vdpbf16ps accumulates in float32 and treats denormals as zero), 16 tokens at a time reduced
- * by one transpose_sum16. d % 32 == 0, d <= 256; qh: [G, d] the queries as bfloat16 bits. */
+ * by one transpose_sum16. All KV heads of the chunk, block by block: each block serves every head right
+ * after it arrives while the next one streams in (head by head, memory would idle while heads 2.. run
+ * from L2). d % 32 == 0, d <= 256. qh: [Hkv·G, d] the queries as bfloat16 bits; scores: [Hkv·G, L];
+ * mx: [Hkv·G] running maxima (start at -inf). */
 static inline __attribute__((always_inline)) void k_pass_bf16(
         const uint16_t *qh, const uint8_t *kc, const uint8_t *vc, const int64_t *table, int64_t t_begin,
-        int64_t t_end, float *scores, int64_t L, float *mx, int G, int Hkv, int h, const int d, int bs, float scale) {
+        int64_t t_end, float *scores, int64_t L, float *mx, int G, int Hkv, const int d, int bs, float scale) {
     const int D = d / 32;
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
         if (t0 + bs < t_end) prefetch_block(kc, vc, table[t0 / bs + 1] * bs, bs, Hkv, d * 2);
-        for (int64_t j0 = 0; j0 < n; j0 += 16) {
-            const int nj = n - j0 < 16 ? (int)(n - j0) : 16;
-            const __mmask16 live = (__mmask16)((1u << nj) - 1u);
-            for (int g = 0; g < G; g++) {
-                __m512bh q[8];
-                for (int c = 0; c < D; c++) q[c] = (__m512bh)_mm512_loadu_si512(qh + g * d + 32 * c);
-                __m512 v[16];
-                for (int j = 0; j < 16; j++) {
-                    v[j] = _mm512_setzero_ps();
-                    if (j >= nj) continue;
-                    const uint16_t *row = (const uint16_t *)kc + ((base + j0 + j) * Hkv + h) * d;
-                    for (int c = 0; c < D; c++)
-                        v[j] = _mm512_dpbf16_ps(v[j], (__m512bh)_mm512_loadu_si512(row + 32 * c), q[c]);
+        for (int h = 0; h < Hkv; h++)
+            for (int64_t j0 = 0; j0 < n; j0 += 16) {
+                const int nj = n - j0 < 16 ? (int)(n - j0) : 16;
+                const __mmask16 live = (__mmask16)((1u << nj) - 1u);
+                for (int g = h * G; g < (h + 1) * G; g++) {
+                    __m512bh q[8];
+                    for (int c = 0; c < D; c++) q[c] = (__m512bh)_mm512_loadu_si512(qh + g * d + 32 * c);
+                    __m512 v[16];
+                    for (int j = 0; j < 16; j++) {
+                        v[j] = _mm512_setzero_ps();
+                        if (j >= nj) continue;
+                        const uint16_t *row = (const uint16_t *)kc + ((base + j0 + j) * Hkv + h) * d;
+                        for (int c = 0; c < D; c++)
+                            v[j] = _mm512_dpbf16_ps(v[j], (__m512bh)_mm512_loadu_si512(row + 32 * c), q[c]);
+                    }
+                    const __m512 sc = _mm512_mul_ps(transpose_sum16(v), _mm512_set1_ps(scale));
+                    _mm512_mask_storeu_ps(scores + g * L + (t0 - t_begin) + j0, live, sc);
+                    const float m = _mm512_mask_reduce_max_ps(live, sc);
+                    if (m > mx[g]) mx[g] = m;
                 }
-                const __m512 sc = _mm512_mul_ps(transpose_sum16(v), _mm512_set1_ps(scale));
-                _mm512_mask_storeu_ps(scores + g * L + (t0 - t_begin) + j0, live, sc);
-                const float m = _mm512_mask_reduce_max_ps(live, sc);
-                if (m > mx[g]) mx[g] = m;
             }
-        }
     }
 }
 #endif
@@ -178,27 +182,18 @@ static inline __attribute__((always_inline)) void k_pass_bf16(
 /* One (sequence, kv head, chunk of tokens [t_begin, t_end)): G query rows. Writes the chunk's partial
  * softmax state (flash-decoding, Dao et al. 2023): running max mx[G], sum of exp sum[G] and the
  * unnormalized output acc[G, d]. Inlined with d a literal (64/128/256) so the row loops unroll and
- * vectorize; t_begin is a multiple of bs, so blocks are walked whole (no per-token division). */
+ * vectorize; t_begin is a multiple of bs, so blocks are walked whole (no per-token division).
+ * pre: this head's scores [G, L] and maxima pre_mx [G] already computed (k_pass_bf16), or NULL. */
 static inline __attribute__((always_inline)) void attend_chunk(
         const float *qb, const uint8_t *kc, const uint8_t *vc, const float *ks, const float *vs,
         const int64_t *table, int64_t t_begin, int64_t t_end, float *acc, float *mx, float *sum,
-        int G, int Hkv, int h, const int d, int bs, float scale, int code, int q_bf16) {
+        int G, int Hkv, int h, const int d, int bs, float scale, int code, float *pre, const float *pre_mx) {
     const int64_t L = t_end - t_begin;
-    float *scores = malloc(sizeof(float) * (size_t)(G * L + d) + sizeof(uint16_t) * (size_t)(G * d));
+    float *scores = pre ? pre : malloc(sizeof(float) * (size_t)(G * L + d));
     float *row = scores + G * L;
     const int64_t es = elem_size(code);
-    for (int g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.f; }
-#ifdef HAVE_K_PASS_BF16
-    if (q_bf16 && code == 4 && d % 32 == 0 && d <= 256) {
-        uint16_t *qh = (uint16_t *)(row + d);
-        for (int i = 0; i < G * d; i++) {  /* exact: the queries are bfloat16 values */
-            uint32_t b;
-            memcpy(&b, qb + i, 4);
-            qh[i] = (uint16_t)(b >> 16);
-        }
-        k_pass_bf16(qh, kc, vc, table, t_begin, t_end, scores, L, mx, G, Hkv, h, d, bs, scale);
-    } else
-#endif
+    for (int g = 0; g < G; g++) { mx[g] = pre ? pre_mx[g] : -INFINITY; sum[g] = 0.f; }
+    if (!pre)
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
         if (t0 + bs < t_end) prefetch_block(kc, vc, table[t0 / bs + 1] * bs, bs, Hkv, d * es);
@@ -225,7 +220,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
     }
     if ((code == 3 || code == 4) && d % 16 == 0 && d <= 256) {  /* float caches: accumulators in registers */
         v_pass(vc, table, t_begin, t_end, scores, L, acc, G, Hkv, h, d, bs, code);
-        free(scores);
+        if (!pre) free(scores);
         return;
     }
     memset(acc, 0, sizeof(float) * G * d);
@@ -242,7 +237,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
             }
         }
     }
-    free(scores);
+    if (!pre) free(scores);
 }
 
 /* Tokens per work item: up to 512 (whole blocks), fewer when that leaves threads idle. */
@@ -278,17 +273,38 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
         while (first[b + 1] <= item) b++;
         const int64_t nchunks = first[b + 1] - first[b], c = item - first[b], t_begin = c * chunk;
         const int64_t t_end = t_begin + chunk < seq_lens[b] ? t_begin + chunk : seq_lens[b];
-        const int64_t *table = block_tables + b * bt_stride;
+        const int64_t *table = block_tables + b * bt_stride, L = t_end - t_begin;
+        float *pre = NULL, *pre_mx = NULL;  /* every head's scores, from k_pass_bf16 */
+#ifdef HAVE_K_PASS_BF16
+        if (q_bf16 && code == 4 && d % 32 == 0 && d <= 256) {
+            pre = malloc(sizeof(float) * (size_t)(H * L + H) + sizeof(uint16_t) * (size_t)(H * d));
+            pre_mx = pre + H * L;
+            uint16_t *qh = (uint16_t *)(pre_mx + H);
+            for (int64_t i = 0; i < (int64_t)H * d; i++) {  /* exact: the queries are bfloat16 values */
+                uint32_t bits;
+                memcpy(&bits, q + (int64_t)b * H * d + i, 4);
+                qh[i] = (uint16_t)(bits >> 16);
+            }
+            for (int i = 0; i < H; i++) pre_mx[i] = -INFINITY;
+            switch (d) {
+                case 64: k_pass_bf16(qh, kc, vc, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 64, bs, scale); break;
+                case 128: k_pass_bf16(qh, kc, vc, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 128, bs, scale); break;
+                default: k_pass_bf16(qh, kc, vc, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, d, bs, scale);
+            }
+        }
+#endif
         for (int h = 0; h < Hkv; h++) {
             const float *qb = q + ((int64_t)b * H + (int64_t)h * G) * d;
             float *acc = part + (first[b] * Hkv + h * nchunks + c) * G * (d + 2), *mx = acc + G * d, *sum = mx + G;
+            float *ph = pre ? pre + (int64_t)h * G * L : NULL, *pm = pre ? pre_mx + h * G : NULL;
             switch (d) {
-                case 64: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 64, bs, scale, code, q_bf16); break;
-                case 128: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 128, bs, scale, code, q_bf16); break;
-                case 256: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 256, bs, scale, code, q_bf16); break;
-                default: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, d, bs, scale, code, q_bf16);
+                case 64: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 64, bs, scale, code, ph, pm); break;
+                case 128: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 128, bs, scale, code, ph, pm); break;
+                case 256: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, 256, bs, scale, code, ph, pm); break;
+                default: attend_chunk(qb, kc, vc, ks, vs, table, t_begin, t_end, acc, mx, sum, G, Hkv, h, d, bs, scale, code, ph, pm);
             }
         }
+        free(pre);
     }
 #pragma omp for schedule(static)
     for (int64_t row = 0; row < (int64_t)B * H; row++) {
