@@ -30,23 +30,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_math.h"
+
 #define INT4_RECORD 160 /* uint16 per (tile, group) record */
 #define INT4_PREFETCH (24 * INT4_RECORD) /* prefetch distance, uint16: 24 records, tuned on SmolLM2's matrices */
-
-static inline float i4_bf16_to_float(uint16_t h) {
-    uint32_t b = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
-
-static inline uint16_t i4_float_to_bf16(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
-}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -177,7 +164,7 @@ static inline void store_rows(const float *out, int rows, int64_t m0, int64_t N,
         const int64_t base = (m0 + m) * N + 16 * (int64_t)t;
         if (out_code == 3) memcpy((float *)y + base, out + 16 * m, 16 * sizeof(float));
         else
-            for (int i = 0; i < 16; i++) ((uint16_t *)y)[base + i] = i4_float_to_bf16(out[16 * m + i]);
+            for (int i = 0; i < 16; i++) ((uint16_t *)y)[base + i] = float_to_bf16(out[16 * m + i]);
     }
 }
 
@@ -190,7 +177,7 @@ void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w
     for (int64_t m = 0; m < M; m++)
         for (int g = 0; g < G; g++) {
             float s = 0.f;
-            for (int k = 0; k < 32; k++) s += i4_bf16_to_float(x[m * K + 32 * g + k]);
+            for (int k = 0; k < 32; k++) s += bf16_to_float(x[m * K + 32 * g + k]);
             xsum[m * G + g] = s;
         }
 #ifdef HAVE_AMX

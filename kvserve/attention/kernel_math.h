@@ -1,4 +1,4 @@
-/* Float helpers shared by the C kernels (kv_quant_kernel.c, layer_kernel.c). */
+/* Float helpers shared by the C kernels (kv_quant_kernel.c, layer_kernel.c, int4_gemm.c). */
 #ifndef KVSERVE_KERNEL_MATH_H
 #define KVSERVE_KERNEL_MATH_H
 #include <math.h>
@@ -6,6 +6,17 @@
 #include <string.h>
 
 static inline float bits_to_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+
+static inline float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
+
+/* round to nearest even, as c10::BFloat16 */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN */
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
 
 /* e^x for x <= 0 (softmax after subtracting the max), vectorizable: x = n ln2 + r with |r| <= ln2/2,
  * e^r by the Cephes expf polynomial (relative error ~2e-7, like expf), 2^n through the exponent bits.

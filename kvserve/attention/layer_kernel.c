@@ -28,21 +28,6 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
 void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
                           float *xsum);
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t b = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &b, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN */
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
-}
-
 static inline float load(const void *p, int64_t i, int code) {
     return code == 3 ? ((const float *)p)[i] : bf16_to_float(((const uint16_t *)p)[i]);
 }
