@@ -2,10 +2,11 @@
 a captured CUDA graph.
 
 Per layer: RMSNorm, QKV matmul, RoPE + KV write, decode attention, O matmul, residual add + RMSNorm,
-gate/up matmul, SiLU·up, down matmul: nine calls, into buffers allocated once per step. When every matrix
-is int4 in kvserve's tile layout (no bias) and the step has fewer rows than the layers' ``dense_min_tokens``, the
-whole loop is one C call (``kvs_llama_decode_int4`` in ``layer_kernel.c``): the same kernels in one
-parallel region, with barriers where the loop returns to Python (SmolLM2 int4 batch 1: ~7 → ~4 ms). The kernels
+gate/up matmul, SiLU·up, down matmul: nine calls, into buffers allocated once per step. When every
+matrix is int4 in kvserve's tile layout (no bias) and the step has fewer rows than the layers'
+``dense_min_tokens``, the whole loop is one C call (``kvs_llama_decode_int4`` in ``layer_kernel.c``):
+the same kernels in one parallel region, with barriers where the loop returns to Python (SmolLM2 int4
+batch 1: ~7 → ~4 ms). The kernels
 are the ones :class:`kvserve.models.llama.LlamaForCausalLM`'s modules call (the matmuls through the
 modules' own ``forward``), in the same order, so the hidden states are bit-identical to the module
 path (tested); only Python's per-op work is gone. Between two matmuls that stream weights from memory,
@@ -53,7 +54,8 @@ class LlamaDecodePlan:
         self.int4_layers = None
         norm_codes = {ACT_CODES[n.weight.dtype] for n in [model.norm] + [n for layer in model.layers
                       for n in (layer.input_layernorm, layer.post_attention_layernorm)]}
-        linears = [(l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj) for l in model.layers]
+        linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                   for layer in model.layers]
         if len(norm_codes) == 1 and all(isinstance(m, Int4Linear) and m.layout == "tiles" and m.bias is None
                                         for ms in linears for m in ms):
             self.norm_code = norm_codes.pop()
@@ -84,7 +86,7 @@ class LlamaDecodePlan:
         B = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)  # [B, hidden]: the residual stream, updated in place
         act, cc, nt = ACT_CODES[x.dtype], self.cache_code, torch.get_num_threads()
-        if self.int4_layers is not None and B < self.one_call_rows:  # the loop below in one call (kvs_llama_decode_int4)
+        if self.int4_layers is not None and B < self.one_call_rows:  # the loop below, in one C call
             out = torch.empty_like(x)
             tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
             dll.kvs_llama_decode_int4(self.int4_layers.data_ptr(), len(self.layers), self.norm_code, x.data_ptr(),

@@ -141,7 +141,8 @@ class PackedLinear(nn.Module):
             return self._packed_mm(x)  # a decode step's rows: nothing to reshape or cast
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)  # [T, K]
-        y = self._dense_mm(x2) if self.dense is not None and x2.shape[0] >= self.dense_min_tokens else self._packed_mm(x2)
+        dense = self.dense is not None and x2.shape[0] >= self.dense_min_tokens
+        y = self._dense_mm(x2) if dense else self._packed_mm(x2)
         y = y.to(x.dtype) if self.bias is None else y.to(x.dtype) + self.bias
         return y.view(*lead, self.out_features)  # [..., N]
 
@@ -174,6 +175,7 @@ def pack_int4_tiles(codes: np.ndarray, scale: torch.Tensor, zero: torch.Tensor) 
         return v.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(t, 16, g).transpose(0, 2, 1)
 
     rec = np.concatenate([lanes, per_tile(scale), per_tile(zero)], axis=-1)
+    assert rec.shape[-1] == INT4_RECORD
     return torch.from_numpy(np.ascontiguousarray(rec).view(np.int16))
 
 
