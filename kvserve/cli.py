@@ -1,4 +1,4 @@
-"""Command line: ``kvserve generate | chat | bench | plan | explain | probe``.
+"""Command line: ``kvserve generate | chat | serve | bench | eval | plan | explain | probe``.
 
 ``generate`` streams an answer and then prints its latency anatomy; ``chat`` is an interactive
 session; ``bench latency`` measures batch-1 TTFT/ITL at several contexts and throughput under
@@ -111,7 +111,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     llm = build_llm(a)
     params = sampling_from_args(a)
-    chat = not a.raw and getattr(llm.tokenizer, "chat_template", None) is not None
+    has_template = getattr(llm.tokenizer, "chat_template", None) is not None
+    chat = not a.raw and has_template
+    if not a.raw and not has_template:
+        print(f"note: {a.model} has no chat template; the prompt is sent as is (as with --raw)", file=sys.stderr)
     prompt = [{"role": "user", "content": a.prompt}] if chat else a.prompt
     if chat and a.system:
         prompt.insert(0, {"role": "system", "content": a.system})

@@ -114,3 +114,20 @@ def test_import_sets_a_short_openmp_spin_unless_the_user_chose(env, expected):
     out = subprocess.run([sys.executable, "-c", "import os, kvserve; print(os.environ.get('GOMP_SPINCOUNT'))"],
                          env={**base, **env}, capture_output=True, text=True, check=True).stdout.strip()
     assert out == expected
+
+
+def test_generate_says_when_the_model_has_no_chat_template(monkeypatch, capsys):
+    """A model without a chat template (e.g. the bundled Gemma-3 base GGUF) gets the prompt as is, and the
+    user is told so; with a template (or --raw) there is no note."""
+    import kvserve.cli as cli
+
+    real_build = cli.build_llm
+    for template, raw, noted in ((None, False, True), ("{{ messages }}", False, False), (None, True, False)):
+        def build(a, template=template):
+            llm = real_build(a)
+            monkeypatch.setattr(llm.tokenizer, "chat_template", template, raising=False)
+            return llm
+        monkeypatch.setattr(cli, "build_llm", build)
+        rc = cli.main(["generate", "hi", *TINY, "--max-tokens", "2", *(["--raw"] if raw else [])])
+        err = capsys.readouterr().err
+        assert rc == 0 and ("no chat template" in err) == noted, (template, raw, err[:200])
