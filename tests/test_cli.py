@@ -99,11 +99,12 @@ def test_bench_kv_slope_is_extra_bytes_over_extra_time():
     assert kv_slope_gb_per_s(LatencyReport("m", "f", 20.0, contexts=rows[:1])) is None
 
 
-@pytest.mark.parametrize("env,expected", [({}, "2000"), ({"GOMP_SPINCOUNT": "5"}, "5"),
-                                          ({"OMP_WAIT_POLICY": "PASSIVE"}, "None"),
-                                          ({"KVSERVE_OMP_DEFAULTS": "1"}, "None")])
+@pytest.mark.parametrize("env,expected", [({}, "2000 ACTIVE"), ({"GOMP_SPINCOUNT": "5"}, "5 None"),
+                                          ({"OMP_WAIT_POLICY": "PASSIVE"}, "None PASSIVE"),
+                                          ({"KVSERVE_OMP_DEFAULTS": "1"}, "None None")])
 def test_import_sets_a_short_openmp_spin_unless_the_user_chose(env, expected):
-    """libgomp's default spin made decode ~18x slower with one of 2 cores busy; kvserve shortens it
+    """libgomp's default spin made decode ~18x slower with one of 2 cores busy; kvserve shortens it (and
+    sets the ACTIVE policy, whose throttled spin keeps a non-main engine thread's barriers from sleeping)
     unless the user set a wait policy or a spin count (or asked for libgomp's defaults)."""
     import os
     import subprocess
@@ -111,7 +112,8 @@ def test_import_sets_a_short_openmp_spin_unless_the_user_chose(env, expected):
 
     base = {k: v for k, v in os.environ.items()
             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KVSERVE_OMP_DEFAULTS")}
-    out = subprocess.run([sys.executable, "-c", "import os, kvserve; print(os.environ.get('GOMP_SPINCOUNT'))"],
+    code = "import os, kvserve; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
+    out = subprocess.run([sys.executable, "-c", code],
                          env={**base, **env}, capture_output=True, text=True, check=True).stdout.strip()
     assert out == expected
 

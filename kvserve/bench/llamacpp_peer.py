@@ -56,6 +56,7 @@ def run_llamacpp_in_subprocess(source: ModelSource, contexts: list[int], output_
     env = dict(os.environ, KVSERVE_OMP_DEFAULTS="1")  # llama.cpp's OpenMP with libgomp's own spin default
     if kvserve.SET_GOMP_SPINCOUNT:
         env.pop("GOMP_SPINCOUNT", None)
+        env.pop("OMP_WAIT_POLICY", None)
     proc = subprocess.run(args, capture_output=True, text=True, timeout=3600, env=env)
     if proc.returncode != 0:
         raise ConfigError(f"llama.cpp peer failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
