@@ -120,6 +120,12 @@ def test_int4_kernel_matches_torch_int4_kernel_on_the_same_weights():
         assert (a != b).float().mean() < 0.05  # mostly the same bits
 
 
+def test_int4_layout_errors_name_the_field():
+    block = quantize_int4_minmax(torch.randn(16, 32))
+    with pytest.raises(ValueError, match="layout"):
+        Int4Linear(block, layout="tile")
+
+
 def test_quantization_error_of_float_weights_is_within_half_a_step():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(32, 64, generator=g)

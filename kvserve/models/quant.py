@@ -218,6 +218,8 @@ class Int4Linear(PackedLinear):
         self.in_features, self.out_features, self.group_size = k, n, GROUP_SIZE
         scale, lo = torch.from_numpy(block.scale), torch.from_numpy(block.min)  # [N, K/32] float32
         zeros = lo + 8 * scale  # the kernels dequantize (q − 8)·scale + zero
+        if layout not in (None, "tiles", "torch"):
+            raise ValueError(f"layout must be 'tiles', 'torch' or None, got {layout!r}")
         self.layout = layout or ("tiles" if int4_kernel() is not None else "torch")
         if self.layout == "tiles" and int4_kernel() is None:
             raise ValueError("layout='tiles' needs kvserve's int4 kernel (AVX512-BF16 CPU and a C compiler)")
