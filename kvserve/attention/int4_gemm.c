@@ -155,9 +155,7 @@ static void int4_tile_amx(const uint16_t *rec, int G, const uint16_t *x, int64_t
 int kvs_int4_amx_enable(void) { return 0; }
 #endif
 
-#ifndef INT4_AMX_MIN_ROWS
 #define INT4_AMX_MIN_ROWS 4 /* from this many rows of x, AMX (measured crossover on SmolLM2's matrices) */
-#endif
 
 static inline void store_rows(const float *out, int rows, int64_t m0, int64_t N, int t, void *y, int out_code) {
     for (int m = 0; m < rows; m++) {
