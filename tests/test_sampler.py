@@ -101,6 +101,24 @@ def test_bfloat16_logits_accepted():
     assert Sampler()(logits, [row(SamplingParams(temperature=0.0))]).token_ids == [1]
 
 
+def test_greedy_rows_with_a_penalty_or_logprobs_are_still_processed():
+    """A greedy step without processors is one argmax; a greedy row with a penalty, an unmet min_tokens
+    or logprobs must still get them (hand-computed: 2.0 / 1.25 = 1.6 < 1.9 flips the pick)."""
+    logits = torch.tensor([[2.0, 1.9, 0.0]], dtype=torch.bfloat16)
+    greedy = SamplingParams(temperature=0.0)
+    plain = Sampler()(logits, [row(greedy, prompt=[0])])
+    assert plain.token_ids == [0] and plain.logprobs == [None]
+    for changed in (greedy.clone(repetition_penalty=1.25), greedy.clone(presence_penalty=0.2),
+                    greedy.clone(frequency_penalty=0.2)):  # one call each: a batch is plain only if every row is
+        assert Sampler()(logits, [row(changed, prompt=[0], output=[0])]).token_ids == [1]
+    assert Sampler()(logits, [row(greedy.clone(min_tokens=2), output=[5], eos=(0,))]).token_ids == [1]
+    lp = Sampler()(logits, [row(greedy.clone(logprobs=1))]).logprobs[0]
+    assert lp.top_token_ids == [0]
+    assert math.isclose(lp.logprob, 2.0 - math.log(math.exp(2.0) + math.exp(1.9) + 1.0), rel_tol=1e-2)
+    tied = torch.tensor([[1.0, 3.0, 3.0], [3.0, 3.0, 3.0]], dtype=torch.bfloat16)  # ties: the lowest id
+    assert Sampler()(tied, [row(SamplingParams(temperature=0.0)) for _ in range(2)]).token_ids == [1, 0]
+
+
 def test_bad_shape_raises():
     with pytest.raises(ValueError, match="num_rows"):
         Sampler()(torch.zeros(2, 5), [row()])

@@ -61,8 +61,11 @@ class ModelRunner:
         sample_idx = [i for i, s in enumerate(sched.scheduled) if s.sample and not s.spec_token_ids]
         if not sample_idx:
             return out
-        last_token = meta.query_start_loc[1:] - 1  # [num_seqs] index of each sequence's last token
-        logits = self.model.compute_logits(hidden[last_token[sample_idx]])  # [N, vocab]
+        if len(sample_idx) == hidden.shape[0]:  # a decode step: every row is a sequence's last token
+            logits = self.model.compute_logits(hidden)  # [N, vocab]
+        else:
+            last_token = meta.query_start_loc[1:] - 1  # [num_seqs] index of each sequence's last token
+            logits = self.model.compute_logits(hidden[last_token[sample_idx]])  # [N, vocab]
         rows = [self._row(sched.scheduled[i].request) for i in sample_idx]
         result = self.sampler(logits, rows)
         for i, tok, lp in zip(sample_idx, result.token_ids, result.logprobs):

@@ -57,6 +57,8 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab_size], got {tuple(logits.shape)}")
+        if all(_plain_greedy(r) for r in rows):  # the common decode step: one argmax, nothing else
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(rows))
         raw = logits.float()
         processed = apply_penalties(apply_min_tokens(raw.clone(), rows), rows)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=raw.device)
@@ -70,6 +72,14 @@ class Sampler:
             token_ids[sampled] = exponential_race(probs, [r.generator for r in sub_rows])
         ids = token_ids.tolist()
         return SamplerOutput(token_ids=ids, logprobs=compute_logprobs(raw, ids, rows))
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Greedy with nothing that changes the logits or asks for logprobs: the argmax of the raw logits
+    (an exact cast to float32 keeps the argmax and its lowest-id tie break)."""
+    p = row.params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 and len(row.output_token_ids) >= p.min_tokens)
 
 
 # ---------------------------------------------------------------------------------------- processors
