@@ -216,7 +216,7 @@ def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias):
 @pytest.mark.parametrize("dtype,kv_dtype,lens", [
     ("bfloat16", "auto", (1, 15, 16, 17, 33, 70) * 3),  # 18 rows: two AMX blocks where the int4 kernel has AMX
     ("float32", "auto", (1, 15, 16, 17, 33, 70) * 3), ("float32", "bfloat16", (1, 15, 16, 17, 33, 70) * 3),
-    ("bfloat16", "auto", (300, 47)), ("float32", "auto", (300,))])  # ≤ 2 rows: the KV is prefetched
+    ("bfloat16", "auto", (300, 47)), ("float32", "auto", (300,))])  # long rows: several attention chunks
 def test_one_call_int4_decode_step_equals_the_flat_loop(dtype, kv_dtype, lens):
     """kvs_llama_decode_int4 against the Python loop of the same kernels: identical hidden states for a
     decode batch of uneven lengths (1 to 70 tokens: one to five KV blocks; or one or two long sequences

@@ -18,9 +18,6 @@ void kvq_decode_attention(const float *q, const uint8_t *kc, const uint8_t *vc, 
                           const float *vs, const int64_t *block_tables, int64_t bt_stride,
                           const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
                           float scale, int code, int num_threads, int q_bf16);
-void kvq_prefetch_kv_team(const uint8_t *kc, const uint8_t *vc, const int64_t *block_tables, int64_t bt_stride,
-                          const int64_t *seq_lens, int B, int Hkv, int d, int es, int bs, int64_t chunk,
-                          const int64_t *first, int64_t max_bytes);
 int64_t kvq_attention_chunk(const int64_t *seq_lens, int B, int bs, int num_threads);
 int64_t kvq_attention_items(const int64_t *seq_lens, int B, int64_t chunk, int64_t *first);
 void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks,
@@ -192,13 +189,7 @@ void kvs_decode_attention(const void *q, const uint8_t *kc, const uint8_t *vc, c
  * layers: [L, 8] pointers per layer: QKV, O, gate/up, down tiles; input and post-attention norm weights
  * (norm_code 3 or 4); key and value caches ([num_slots, Hkv, d] in cache_code 3 or 4). x: [B, n]
  * residual stream (act 3 or 4), updated in place; out: [B, n] final-norm hidden states (act).
- * Matmul inputs and outputs are bfloat16, as Int4Linear takes and returns them.
- * With at most KV_PREFETCH_MAX_ROWS sequences, each layer first asks for up to KV_PREFETCH_BYTES per thread
- * of the KV its attention will read (kvq_prefetch_kv_team): measured on SmolLM2 int4 (2 cores), the step
- * at batch 1 went 6.9 → 6.5 ms at context 1024 and 13.6 → 13.0 ms at 4096 (more bytes: 14.1 ms; the L2
- * is 2 MB); at 16 sequences of ~260 tokens it went 24.0 → 24.9 ms, the attention barely gaining. */
-#define KV_PREFETCH_MAX_ROWS 2
-#define KV_PREFETCH_BYTES (1 << 20)
+ * Matmul inputs and outputs are bfloat16, as Int4Linear takes and returns them. */
 void kvs_llama_decode_int4(const int64_t *layers, int L, int norm_code, void *x, const int64_t *positions,
                            const float *cos_t, const float *sin_t, const int64_t *slot_mapping,
                            const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
@@ -223,9 +214,6 @@ void kvs_llama_decode_int4(const int64_t *layers, int L, int norm_code, void *x,
         const uint16_t *w_gu = (const uint16_t *)p[2], *w_down = (const uint16_t *)p[3];
         void *kc = (void *)p[6], *vc = (void *)p[7];
         rms_norm_team(x, l ? delta : NULL, 4, (const void *)p[4], norm_code, eps, h, 4, B, n, act);
-        if (B <= KV_PREFETCH_MAX_ROWS)
-            kvq_prefetch_kv_team(kc, vc, block_tables, bt_stride, seq_lens, B, Hkv, d, cache_code == 3 ? 4 : 2, bs,
-                                 chunk, first, KV_PREFETCH_BYTES);
         kvs_int4_linear_team(h, B, n, w_qkv, W, qkv, 4, xsum);
         rope_team(qkv, 4, W, positions, cos_t, sin_t, q, NULL, kc, vc, slot_mapping, B, H, Hkv, d, act, cache_code);
         if (act != 3) {
