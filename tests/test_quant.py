@@ -57,24 +57,24 @@ def test_int4_linear_keeps_gguf_codes_with_bf16_scales(type_name):
     assert (err <= bound).all(), float((err / bound).max())
 
 
-@pytest.mark.parametrize("T", [1, 3, 5, 11, 17, 33, 40])
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 11, 17, 33, 40, 50, 60])
 @pytest.mark.parametrize("kind", ["int4", "int4-torch", "int8"])
 def test_packed_matmul_matches_float32_reference(kind, T):
     """|y − x·Wᵀ| ≤ 2⁻⁶ · Σ_k |x_k W_nk|: x, y (and, for T ≥ 12 tokens, the bf16 prefill copy of W) are
     rounded to bfloat16 (unit roundoff 2⁻⁸ each) around a float32 accumulation; a wrong code, scale or
     zero breaks the bound by orders. Below ``dense_min_tokens`` rows the packed kernel runs (kvserve's
-    int4 kernel: rows four at a time on AVX512-BF16 below 4 rows, 16 at a time on AMX from 4: 5, 11,
-    17, 33 leave partial blocks), from it the dense prefill path. "int4-torch" is the fallback on
-    PyTorch's int4 kernel."""
+    int4 kernel: one row on AVX512-BF16, from 2 rows 16 at a time on AMX: 2, 3, 5, 11, 17, 33, 50 leave
+    partial blocks; 11 groups of 32 inputs are one phase of eight and one of three), from it the dense
+    prefill path. "int4-torch" is the fallback on PyTorch's int4 kernel."""
     g = torch.Generator().manual_seed(T)
-    w = torch.randn(96, 192, generator=g)
+    w = torch.randn(96, 352, generator=g)
     bias = torch.randn(96, generator=g)
     if kind == "int4" and int4_kernel() is None:
         pytest.skip("kvserve's int4 kernel needs AVX512-BF16 and cc")
     layer = (Int4Linear(quantize_int4_minmax(w), bias, layout="tiles" if kind == "int4" else "torch")
              if kind.startswith("int4") else Int8Linear(w, bias))
     assert kind != "int4" or layer.layout == "tiles"
-    x = torch.randn(T, 192, generator=g)
+    x = torch.randn(T, 352, generator=g)
     y = layer(x)
     assert y.shape == (T, 96) and y.dtype == torch.float32
     ref = reference_linear(x, layer)

@@ -8,8 +8,8 @@
  * AVX512-BF16 pair dot product (vdpbf16ps) with the bfloat16 activations, with software prefetch
  * (SmolLM2's 120 matrices from memory: ~3 ms vs PyTorch's 3.6-4.0). From 4 rows of x, where the CPU and
  * the kernel grant AMX, the 16 unpacked code vectors of a record are stored as an AMX B tile (their
- * lanes are already in its VNNI pair layout) and one tile product serves 16 rows (30 layers at 16 rows:
- * 9.4 ms vs 25 on the vdpbf16ps path).
+ * lanes are already in its VNNI pair layout) and one tile product serves 16 rows (SmolLM2's 120 matrices
+ * at 16 rows: 6.9 ms vs 25 on the vdpbf16ps path; from 2 rows, see int4_tile_amx).
  *
  * Packed layout (built by kvserve.models.quant.pack_int4_tiles): rows in tiles of 16; per (tile, group)
  * a record of 160 uint16:
@@ -101,53 +101,90 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) tile_config;
 
-/* tile 0: C [rows × 16] float32; tile 1: A = rows of x [rows × 32] bfloat16; tile 2: B = one record's
- * weights as 16 input pairs × (16 outputs × 2) bfloat16, the VNNI layout the records' lanes already have */
+/* Two sets of tiles, for two groups at a time: tiles 0 and 3: C [rows × 16] float32; tiles 1 and 4: A =
+ * rows of x [rows × 32] bfloat16; tiles 2 and 5: B = one record's weights as 16 input pairs × (16 outputs
+ * × 2) bfloat16, the VNNI layout the records' lanes already have */
 static void amx_configure(int rows) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    cfg.rows[0] = cfg.rows[1] = (uint8_t)rows;
-    cfg.rows[2] = 16;
-    cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[2] = 64;
+    for (int s = 0; s < 6; s += 3) {
+        cfg.rows[s] = cfg.rows[s + 1] = (uint8_t)rows;
+        cfg.rows[s + 2] = 16;
+        cfg.colsb[s] = cfg.colsb[s + 1] = cfg.colsb[s + 2] = 64;
+    }
     _tile_loadconfig(&cfg);
+}
+
+/* bf16 bit patterns of q − 8 for q = 0..15, twice: vpermw reads 5 index bits, the code is the low 4 */
+static const uint16_t amx_lut[32] __attribute__((aligned(64))) = {
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0,
+    0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040,
+    0x4080, 0x40A0, 0x40C0, 0x40E0};
+
+/* A record's 16 code vectors as bf16 (q − 8), stored as a B tile at b [16 × 32] */
+static inline __attribute__((always_inline)) void unpack_b(const uint16_t *rec, uint16_t *b, __m512i table) {
+    for (int ch = 0; ch < 4; ch++) {
+        const __m512i v = _mm512_loadu_si512(rec + 32 * ch);
+        for (int j = 0; j < 4; j++)
+            _mm512_store_si512(b + 32 * (4 * ch + j), _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4 * j), table));
+    }
+}
+
+/* y[m] += scale·A_g[m] + zero·X_g[m] for the group of record rec, A_g in c [rows × 16] */
+static inline __attribute__((always_inline)) void amx_apply(const uint16_t *rec, const float *c, const float *xs_g,
+                                                            int G, __m512 *y, int rows) {
+    const __m512 scale = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 128))), 16));
+    const __m512 zero = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 144))), 16));
+    for (int m = 0; m < rows; m++) {
+        y[m] = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * m), scale, y[m]);
+        y[m] = _mm512_fmadd_ps(_mm512_set1_ps(xs_g[m * G]), zero, y[m]);
+    }
 }
 
 /* rows (<= 16) rows of x × one tile of 16 weight rows with AMX: per group, the 16 code vectors become
  * bf16 (q − 8) (as in int4_tile) and are stored as the B tile; C = A·B holds each row's 16 group sums
  * A_g, and y += scale·A_g + zero·X_g as in int4_tile. The same products and float32 sums as int4_tile,
- * in another order. The tile configuration must be amx_configure(rows). */
+ * in another order. Eight groups at a time, in three phases: unpack their records, run their tile
+ * products (two sets of tiles, alternating) into eight C buffers, then add their terms to y in group
+ * order. Group by group, each group's unpack → tile load → product → store → scale waited on the one
+ * before (tiles are not renamed), and the core idled between AMX and vector work. SmolLM2's 120
+ * matrices: 7.7 → 4.2 ms at 4 rows, 9.4 → 6.9 ms at 16, 29 → 22 ms at 64; at 2 and 3 rows it now beats
+ * the vdpbf16ps path (hence INT4_AMX_MIN_ROWS 2; at 1 row it does not). The tile configuration must be
+ * amx_configure(rows). */
 static void int4_tile_amx(const uint16_t *rec, int G, const uint16_t *x, int64_t xs, const float *xsum, float *out,
                           int rows) {
-    static const uint16_t lut[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-                                     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-                                     0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-                                     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
-    const __m512i table = _mm512_loadu_si512(lut);
-    uint16_t b[16 * 32] __attribute__((aligned(64)));
-    float c[16 * 16] __attribute__((aligned(64)));
+    enum { CHUNK = 8 };  /* groups per phase */
+    const __m512i table = _mm512_load_si512(amx_lut);
+    uint16_t b[CHUNK][16 * 32] __attribute__((aligned(64)));
+    float c[CHUNK][16 * 16] __attribute__((aligned(64)));
     __m512 y[16];
     for (int m = 0; m < rows; m++) y[m] = _mm512_setzero_ps();
-    for (int g = 0; g < G; g++, rec += INT4_RECORD) {
-        for (int l = 0; l < INT4_RECORD * 2; l += 64) __builtin_prefetch((const char *)(rec + INT4_PREFETCH) + l, 0, 3);
-        for (int ch = 0; ch < 4; ch++) {
-            const __m512i v = _mm512_loadu_si512(rec + 32 * ch);
-            for (int j = 0; j < 4; j++)
-                _mm512_store_si512(b + 32 * (4 * ch + j), _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4 * j), table));
+    for (int g0 = 0; g0 < G; g0 += CHUNK, rec += CHUNK * INT4_RECORD) {
+        const int n = G - g0 < CHUNK ? G - g0 : CHUNK;
+        for (int i = 0; i < n; i++) {
+            for (int l = 0; l < INT4_RECORD * 2; l += 64)
+                __builtin_prefetch((const char *)(rec + i * INT4_RECORD + INT4_PREFETCH) + l, 0, 3);
+            unpack_b(rec + i * INT4_RECORD, b[i], table);
         }
-        _tile_zero(0);
-        _tile_loadd(1, x + 32 * g, xs * 2);
-        _tile_loadd(2, b, 64);
-        _tile_dpbf16ps(0, 1, 2);
-        _tile_stored(0, c, 64);
-        const __m512 scale = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 128))), 16));
-        const __m512 zero = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 144))), 16));
-        for (int m = 0; m < rows; m++) {
-            y[m] = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * m), scale, y[m]);
-            y[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * G + g]), zero, y[m]);
+        for (int i = 0; i < n; i++) {
+            if (i % 2 == 0) {
+                _tile_zero(0);
+                _tile_loadd(1, x + 32 * (g0 + i), xs * 2);
+                _tile_loadd(2, b[i], 64);
+                _tile_dpbf16ps(0, 1, 2);
+                _tile_stored(0, c[i], 64);
+            } else {
+                _tile_zero(3);
+                _tile_loadd(4, x + 32 * (g0 + i), xs * 2);
+                _tile_loadd(5, b[i], 64);
+                _tile_dpbf16ps(3, 4, 5);
+                _tile_stored(3, c[i], 64);
+            }
         }
+        for (int i = 0; i < n; i++) amx_apply(rec + i * INT4_RECORD, c[i], xsum + g0 + i, G, y, rows);
     }
     for (int m = 0; m < rows; m++) _mm512_storeu_ps(out + 16 * m, y[m]);
 }
@@ -155,7 +192,7 @@ static void int4_tile_amx(const uint16_t *rec, int G, const uint16_t *x, int64_t
 int kvs_int4_amx_enable(void) { return 0; }
 #endif
 
-#define INT4_AMX_MIN_ROWS 4 /* from this many rows of x, AMX (measured crossover on SmolLM2's matrices) */
+#define INT4_AMX_MIN_ROWS 2 /* from this many rows of x, AMX (1 row: 3.7 ms vdpbf16ps vs ~5 ms AMX on SmolLM2) */
 
 static inline void store_rows(const float *out, int rows, int64_t m0, int64_t N, int t, void *y, int out_code) {
     for (int m = 0; m < rows; m++) {

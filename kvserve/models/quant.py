@@ -42,10 +42,11 @@ KERNEL_DTYPE = torch.bfloat16
 # layout, ~23 ms unpacked; 4-10x faster than int4 at 256+ rows). The copy is prepacked when oneDNN has
 # bf16 here (the crossover is then ~12 rows), else plain. Where kvserve's int4 kernel has AMX (one tile
 # product per 16 rows and 32 inputs), int4 stays ahead up to INT4_AMX_DENSE_MIN_TOKENS rows (30 layers:
-# 7.7 ms at 4 rows, 9.4 at 16, 16.4 at 32, 29 at 64 vs the copy's 17.5 / 19.3 / 22.4).
+# 4.2 ms at 4 rows, 6.9 at 16, 12.8 at 32, 17.5 at 48, 22.2 at 64 vs the copy's 15.1 / 15.4 / 18.2 /
+# 19.3 / 21.6).
 MKLDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 DENSE_MIN_TOKENS = 12 if MKLDNN_BF16 else 32
-INT4_AMX_DENSE_MIN_TOKENS = 40
+INT4_AMX_DENSE_MIN_TOKENS = 56
 
 
 @dataclass(slots=True)
