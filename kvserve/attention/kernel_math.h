@@ -9,13 +9,12 @@ static inline float bits_to_float(uint32_t b) { float f; memcpy(&f, &b, 4); retu
 
 static inline float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
 
-/* round to nearest even, as c10::BFloat16 */
+/* round to nearest even, as c10::BFloat16; NaN → 0x7fc0. A select, not a branch, so loops vectorize. */
 static inline uint16_t float_to_bf16(float f) {
     uint32_t b;
     memcpy(&b, &f, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN */
-    b += 0x7fffu + ((b >> 16) & 1u);
-    return (uint16_t)(b >> 16);
+    const uint16_t rounded = (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+    return (b & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : rounded;
 }
 
 /* e^x for x <= 0 (softmax after subtracting the max), vectorizable: x = n ln2 + r with |r| <= ln2/2,

@@ -134,11 +134,12 @@ void kvs_add_rms_norm(void *x, const void *residual, int res_code, const void *w
     rms_norm_team(x, residual, res_code, w, w_code, eps, out, out_code, T, n, act);
 }
 
-static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, int in, void *out, int out_code,
-                                                               int64_t t, int I, const int act) {
+static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, const int in, void *out,
+                                                               const int out_code, int64_t t, int I, const int act) {
     const int64_t r = t * 2 * (int64_t)I;
     for (int i = 0; i < I; i++) {
-        const float g = round_to(load(gu, r + i, in), act), u = round_to(load(gu, r + I + i, in), act);
+        float g = load(gu, r + i, in), u = load(gu, r + I + i, in);
+        if (in != act) { g = round_to(g, act); u = round_to(u, act); }  /* in == act: already exact */
         const float e = exp_nonpos(-fabsf(g));  /* e^-|g|: sigmoid without overflow */
         const float sig = (g >= 0.f ? 1.f : e) / (1.f + e);
         store(out, t * (int64_t)I + i, round_to(round_to(g * sig, act) * u, act), out_code);
@@ -150,8 +151,10 @@ static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, i
  * out: [T, I] in out_code (the activation dtype's result, cast). */
 static void silu_mul_team(const void *gu, int in, void *out, int out_code, int64_t T, int I, int act) {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; t++) {
-        if (act == 4) silu_mul_row(gu, in, out, out_code, t, I, 4);
+    for (int64_t t = 0; t < T; t++) {  /* the dtypes as constants, so the row loop vectorizes */
+        if (in == 4 && out_code == 4 && act == 4) silu_mul_row(gu, 4, out, 4, t, I, 4);
+        else if (in == 3 && out_code == 3 && act == 3) silu_mul_row(gu, 3, out, 3, t, I, 3);
+        else if (act == 4) silu_mul_row(gu, in, out, out_code, t, I, 4);
         else silu_mul_row(gu, in, out, out_code, t, I, 3);
     }
 }
