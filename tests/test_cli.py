@@ -91,6 +91,24 @@ def test_bench_peer_columns_are_ratios_of_the_same_run():
     assert "kvserve ÷ llama.cpp" in text and "0.50x" in text and "0.80x" in text
 
 
+def test_bench_concurrency_roofline_streams_decode_bytes_and_keeps_prefill_time():
+    """Hand-computed: a prefill step (measured 0.5 s) + two decode steps of 100 MB each at 20 GB/s
+    (5 ms each) = 0.51 s; 16 × 128 tokens / 0.51 s."""
+    from kvserve.bench.latency import LatencyReport, ThroughputResult, format_report, roofline_seconds
+    from kvserve.metrics.step_stats import StepStats
+
+    def step(i, wall, tokens, decode_tokens, weight_bytes):
+        return StepStats(i, 0.0, wall, 16, tokens, decode_tokens, weight_bytes, 0, 0)
+
+    steps = [step(1, 0.5, 2048, 0, 80e6), step(2, 0.02, 16, 16, 60e6), step(3, 0.03, 16, 16, 100e6)]
+    steps[1].kv_bytes_read = 40e6
+    assert abs(roofline_seconds(steps, 20e9) - 0.51) < 1e-12
+    rep = LatencyReport("m", "f", 20.0, throughput=[ThroughputResult(1, 256, 128, 1.0, 128.0, 1, 1, 256.0),
+                                                    ThroughputResult(16, 256, 128, 4.0, 512.0, 1, 1, 1024.0)])
+    row = format_report(rep).splitlines()[-1]
+    assert "4.00x" in row and row.split()[-2:] == ["1024.0", "4.00x"]
+
+
 def test_bench_kv_slope_is_extra_bytes_over_extra_time():
     from kvserve.bench.latency import ContextResult, LatencyReport, kv_slope_gb_per_s
 

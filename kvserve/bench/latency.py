@@ -36,6 +36,7 @@ class ThroughputResult:
     output_tokens_per_s: float
     mean_ttft_ms: float
     mean_itl_ms: float
+    roofline_tokens_per_s: float | None = None
 
 
 @dataclass
@@ -67,15 +68,26 @@ def run_context(llm, ctx: int, output_tokens: int, read_bw: float) -> ContextRes
                          bytes_per_step, achieved / 1e9, bytes_per_step / read_bw * 1e3)
 
 
-def run_concurrency(llm, c: int, prompt_tokens: int, output_tokens: int) -> ThroughputResult:
+def run_concurrency(llm, c: int, prompt_tokens: int, output_tokens: int,
+                    read_bw: float | None = None) -> ThroughputResult:
     prompts = [random_prompt(prompt_tokens, llm.engine.vocab_size, seed=1000 + i) for i in range(c)]
     sp = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    first = llm.engine.num_steps + 1
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp)
     wall = time.perf_counter() - t0
     lats = [o.latency for o in outs]
+    steps = [s for s in llm.engine.step_stats if s.step >= first]
+    roof = c * output_tokens / roofline_seconds(steps, read_bw) if read_bw and steps else None
     return ThroughputResult(c, prompt_tokens, output_tokens, wall, c * output_tokens / wall,
-                            mean([x.ttft_ms for x in lats]), mean([x.mean_itl_ms for x in lats]))
+                            mean([x.ttft_ms for x in lats]), mean([x.mean_itl_ms for x in lats]), roof)
+
+
+def roofline_seconds(steps, read_bw: float) -> float:
+    """The run's time if every decode-only step streamed its bytes at ``read_bw`` (bytes/s) and every
+    step with prefill tokens took what it took (prefill is compute-bound): Σ bytes ÷ read_bw over
+    decode-only steps + Σ wall over the others. Engine bookkeeping between steps counts as zero."""
+    return sum(s.total_bytes / read_bw if s.is_decode_only else s.wall_s for s in steps)
 
 
 def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency: list[int],
@@ -87,7 +99,7 @@ def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency:
     for ctx in contexts:
         report.contexts.append(run_context(llm, ctx, output_tokens, read_bw))
     for c in concurrency:
-        report.throughput.append(run_concurrency(llm, c, conc_prompt_tokens, conc_output_tokens))
+        report.throughput.append(run_concurrency(llm, c, conc_prompt_tokens, conc_output_tokens, read_bw))
     if compare:
         _add_peer(llm, report, output_tokens, compare)
     return report
@@ -139,14 +151,18 @@ def format_report(rep: LatencyReport) -> str:
         lines.append(f"  ITL slope over context: {slope:.1f} GB/s of extra KV bytes per extra ms "
                      f"(plain read {rep.read_gb_per_s:.1f} GB/s; equal = attention time grows with KV bytes ÷ bandwidth)")
     if rep.throughput:
-        lines += ["", "concurrency (greedy, ignore_eos):",
+        lines += ["", "concurrency (greedy, ignore_eos; roofline: decode-only steps at the plain read, steps "
+                  "with prefill as measured):",
                   f"{'requests':>8} {'prompt':>7} {'output':>7} {'wall s':>7} {'out tok/s':>10} {'vs batch 1':>10} "
-                  f"{'mean TTFT':>10} {'mean ITL':>9}"]
-        base = rep.throughput[0].output_tokens_per_s
+                  f"{'mean TTFT':>10} {'mean ITL':>9} {'roofline tok/s':>15} {'vs batch 1':>10}"]
+        base, roof_base = rep.throughput[0].output_tokens_per_s, rep.throughput[0].roofline_tokens_per_s
         for t in rep.throughput:
-            lines.append(f"{t.concurrency:>8} {t.prompt_tokens:>7} {t.output_tokens:>7} {t.wall_s:>7.2f} "
-                         f"{t.output_tokens_per_s:>10.1f} {t.output_tokens_per_s / base:>9.2f}x "
-                         f"{t.mean_ttft_ms:>8.1f} ms {t.mean_itl_ms:>6.2f} ms")
+            line = (f"{t.concurrency:>8} {t.prompt_tokens:>7} {t.output_tokens:>7} {t.wall_s:>7.2f} "
+                    f"{t.output_tokens_per_s:>10.1f} {t.output_tokens_per_s / base:>9.2f}x "
+                    f"{t.mean_ttft_ms:>8.1f} ms {t.mean_itl_ms:>6.2f} ms")
+            if t.roofline_tokens_per_s is not None and roof_base:
+                line += f" {t.roofline_tokens_per_s:>15.1f} {t.roofline_tokens_per_s / roof_base:>9.2f}x"
+            lines.append(line)
     return "\n".join(lines)
 
 
