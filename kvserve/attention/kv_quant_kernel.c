@@ -161,7 +161,7 @@ static inline __m512 transpose_sum16(const __m512 *v) {
  * from L2). d % 32 == 0, d <= 256. qh: [Hkv·G, d] the queries as bfloat16 bits; scores: [Hkv·G, L];
  * mx: [Hkv·G] running maxima (start at -inf). */
 static inline __attribute__((always_inline)) void k_pass_bf16(
-        const uint16_t *qh, const uint8_t *kc, const uint8_t *vc, const int64_t *table, int64_t t_begin,
+        const uint16_t *qh, const uint8_t *kc, const int64_t *table, int64_t t_begin,
         int64_t t_end, float *scores, int64_t L, float *mx, int G, int Hkv, const int d, int bs, float scale) {
     const int D = d / 32;
     const int64_t stride = (int64_t)Hkv * d;  /* elements from one token's row to the next */
@@ -309,9 +309,9 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
             }
             for (int i = 0; i < H; i++) pre_mx[i] = -INFINITY;
             switch (d) {
-                case 64: k_pass_bf16(qh, kc, vc, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 64, bs, scale); break;
-                case 128: k_pass_bf16(qh, kc, vc, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 128, bs, scale); break;
-                default: k_pass_bf16(qh, kc, vc, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, d, bs, scale);
+                case 64: k_pass_bf16(qh, kc, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 64, bs, scale); break;
+                case 128: k_pass_bf16(qh, kc, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 128, bs, scale); break;
+                default: k_pass_bf16(qh, kc, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, d, bs, scale);
             }
         }
 #endif
