@@ -151,3 +151,31 @@ def test_generate_says_when_the_model_has_no_chat_template(monkeypatch, capsys):
         rc = cli.main(["generate", "hi", *TINY, "--max-tokens", "2", *(["--raw"] if raw else [])])
         err = capsys.readouterr().err
         assert rc == 0 and ("no chat template" in err) == noted, (template, raw, err[:200])
+
+
+def test_peer_process_gets_the_users_openmp_settings_not_kvserves(monkeypatch):
+    """A peer runs with the OpenMP variables its users would have: the ones kvserve set at import are
+    removed, the user's own are kept (llama.cpp's and HF's figures must not ride on kvserve's tuning)."""
+    import kvserve
+    from kvserve.bench.peer_process import run_peer_process
+
+    monkeypatch.setenv("GOMP_SPINCOUNT", "2000")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.setattr(kvserve, "SET_GOMP_SPINCOUNT", True)  # as if kvserve had set both
+    assert run_peer_process("kvserve.bench.peer_process", [], "env") == {"GOMP_SPINCOUNT": None,
+                                                                         "OMP_WAIT_POLICY": None}
+    monkeypatch.setattr(kvserve, "SET_GOMP_SPINCOUNT", False)  # the user set them
+    assert run_peer_process("kvserve.bench.peer_process", [], "env") == {"GOMP_SPINCOUNT": "2000",
+                                                                         "OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_hf_peer_runs_in_its_own_process_on_the_bundled_gguf():
+    """--compare hf's peer end to end at a tiny context: TTFT and one gap per token after the first."""
+    import torch
+
+    from kvserve.bench.hf_peer import run_hf_in_subprocess
+    from kvserve.models.catalog import resolve_model
+
+    out = run_hf_in_subprocess(resolve_model("smollm2-135m", "auto"), torch.float32, [8, 12], 3, 49152, 2)
+    assert sorted(out) == [8, 12]
+    assert all(r["ttft_ms"] > 0 and len(r["itl_ms"]) == 2 and min(r["itl_ms"]) > 0 for r in out.values())

@@ -1,5 +1,6 @@
 """HF transformers as a same-run peer: the same weights (it loads the same GGUF), the same dtype,
-its own KV cache (``DynamicCache``); greedy decode one token per forward, each step timed."""
+its own KV cache (``DynamicCache``); greedy decode one token per forward, each step timed. It runs in
+a process of its own with the OpenMP settings HF users get (:mod:`kvserve.bench.peer_process`)."""
 from __future__ import annotations
 
 import os
@@ -49,3 +50,36 @@ def hf_latency(model, prompt_ids: list[int], output_tokens: int) -> dict:
                    min_new_tokens=output_tokens, do_sample=False, streamer=clock, pad_token_id=0)
     tokens = clock.times[1:]
     return {"ttft_ms": (tokens[0] - t0) * 1e3, "itl_ms": [(b - a) * 1e3 for a, b in zip(tokens, tokens[1:])]}
+
+
+def run_hf_in_subprocess(source: ModelSource, dtype: torch.dtype, contexts: list[int], output_tokens: int,
+                         vocab_size: int, n_threads: int) -> dict[int, dict]:
+    """:func:`hf_latency` for each context (after a 4-token warm-up) in a fresh Python process with
+    ``n_threads`` torch threads. Returns {context: {"ttft_ms", "itl_ms"}}. ConfigError when the peer
+    fails (its message: e.g. :func:`load_hf_peer`'s for a dummy model)."""
+    from kvserve.bench.peer_process import run_peer_process
+
+    out = run_peer_process("kvserve.bench.hf_peer", [source.kind, source.path, str(dtype).removeprefix("torch."),
+                                                     str(output_tokens), str(vocab_size), str(n_threads),
+                                                     *map(str, contexts)], "hf")
+    return {int(k): v for k, v in out.items()}
+
+
+def _main(argv: list[str]) -> None:
+    """``python -m kvserve.bench.hf_peer KIND PATH DTYPE OUTPUT_TOKENS VOCAB THREADS CTX...``: one JSON line."""
+    import json
+
+    from kvserve.bench.latency import random_prompt
+
+    kind, path, dtype, output_tokens, vocab, threads, *contexts = argv
+    torch.set_num_threads(int(threads))
+    model = load_hf_peer(ModelSource(kind, path, path), getattr(torch, dtype))
+    hf_latency(model, random_prompt(16, int(vocab), 0), 4)  # warm-up
+    print(json.dumps({c: hf_latency(model, random_prompt(int(c), int(vocab), seed=int(c)), int(output_tokens))
+                      for c in contexts}))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _main(sys.argv[1:])

@@ -106,8 +106,8 @@ def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency:
 
 
 def _add_peer(llm, report: LatencyReport, output_tokens: int, peer: str) -> None:
-    """The same prompts through the peer, after the engine's runs (never concurrently with them);
-    llama.cpp in its own process (see :func:`kvserve.bench.llamacpp_peer.run_llamacpp_in_subprocess`)."""
+    """The same prompts through the peer, after the engine's runs (never concurrently with them), in
+    a process of its own with its users' OpenMP settings (:mod:`kvserve.bench.peer_process`)."""
     import torch
 
     from kvserve.models.catalog import resolve_model
@@ -115,17 +115,13 @@ def _add_peer(llm, report: LatencyReport, output_tokens: int, peer: str) -> None
     eng = llm.engine
     source = resolve_model(eng.config.model, eng.config.load_format)
     report.peer = peer
+    contexts, threads = [r.context_tokens for r in report.contexts], torch.get_num_threads()
     if peer == "llama.cpp":
         from kvserve.bench.llamacpp_peer import run_llamacpp_in_subprocess
-        results = run_llamacpp_in_subprocess(source, [r.context_tokens for r in report.contexts], output_tokens,
-                                             eng.vocab_size, torch.get_num_threads())
+        results = run_llamacpp_in_subprocess(source, contexts, output_tokens, eng.vocab_size, threads)
     else:
-        from kvserve.bench.hf_peer import hf_latency, load_hf_peer
-        model = load_hf_peer(source, eng.dtype)
-        hf_latency(model, random_prompt(16, eng.vocab_size, 0), 4)  # warm-up
-        results = {r.context_tokens: hf_latency(model, random_prompt(r.context_tokens, eng.vocab_size,
-                                                                     seed=r.context_tokens), output_tokens)
-                   for r in report.contexts}
+        from kvserve.bench.hf_peer import run_hf_in_subprocess
+        results = run_hf_in_subprocess(source, eng.dtype, contexts, output_tokens, eng.vocab_size, threads)
     for r in report.contexts:
         res = results[r.context_tokens]
         r.peer_ttft_ms, r.peer_itl_p50_ms = res["ttft_ms"], percentile(res["itl_ms"], 50)

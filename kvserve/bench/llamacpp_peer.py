@@ -39,28 +39,16 @@ def llamacpp_latency(llm, prompt_ids: list[int], output_tokens: int) -> dict:
 
 def run_llamacpp_in_subprocess(source: ModelSource, contexts: list[int], output_tokens: int, vocab_size: int,
                                n_threads: int) -> dict[int, dict]:
-    """Run :func:`llamacpp_latency` for each context in a fresh Python process, so llama.cpp's OpenMP
-    thread pool never shares the cores with torch's (two runtimes in one process slowed both here).
-    Returns {context: {"ttft_ms", "itl_ms"}}. ConfigError if the peer cannot run."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    import kvserve
+    """Run :func:`llamacpp_latency` for each context in a fresh Python process (see
+    :mod:`kvserve.bench.peer_process`). Returns {context: {"ttft_ms", "itl_ms"}}. ConfigError if the
+    peer cannot run."""
+    from kvserve.bench.peer_process import run_peer_process
 
     if source.kind != "gguf":
         raise ConfigError(f"--compare llama.cpp needs a GGUF model file, got a {source.kind} model ({source.name})")
-    args = [sys.executable, "-m", "kvserve.bench.llamacpp_peer", source.path, str(output_tokens), str(vocab_size),
-            str(n_threads), *map(str, contexts)]
-    env = dict(os.environ, KVSERVE_OMP_DEFAULTS="1")  # llama.cpp's OpenMP with libgomp's own spin default
-    if kvserve.SET_GOMP_SPINCOUNT:
-        env.pop("GOMP_SPINCOUNT", None)
-        env.pop("OMP_WAIT_POLICY", None)
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=3600, env=env)
-    if proc.returncode != 0:
-        raise ConfigError(f"llama.cpp peer failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
-    return {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    out = run_peer_process("kvserve.bench.llamacpp_peer", [source.path, str(output_tokens), str(vocab_size),
+                                                           str(n_threads), *map(str, contexts)], "llama.cpp")
+    return {int(k): v for k, v in out.items()}
 
 
 def _main(argv: list[str]) -> None:
