@@ -106,7 +106,13 @@ def test_bench_concurrency_roofline_streams_decode_bytes_and_keeps_prefill_time(
     rep = LatencyReport("m", "f", 20.0, throughput=[ThroughputResult(1, 256, 128, 1.0, 128.0, 1, 1, 256.0),
                                                     ThroughputResult(16, 256, 128, 4.0, 512.0, 1, 1, 1024.0)])
     row = format_report(rep).splitlines()[-1]
-    assert "4.00x" in row and row.split()[-2:] == ["1024.0", "4.00x"]
+    assert row.split()[5] == "4.00x" and row.split()[-2:] == ["1024.0", "4.00x"]
+    # the ratios are against the concurrency-1 run wherever it is, and absent without one
+    rep.throughput.reverse()
+    assert format_report(rep).splitlines()[-2].split()[5] == "4.00x"
+    rep.throughput = rep.throughput[:1]
+    row = format_report(rep).splitlines()[-1]
+    assert "x" not in row.replace("ms", "") and row.split()[5] == "-" and row.split()[-1] == "-"
 
 
 def test_bench_kv_slope_is_extra_bytes_over_extra_time():

@@ -33,12 +33,17 @@ def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks beside the roofline / a peer")
     bsub = b.add_subparsers(dest="bench", required=True)
     lat = bsub.add_parser("latency", help="batch-1 TTFT/ITL at several contexts; throughput under concurrency")
-    lat.add_argument("--contexts", type=_ints, default=[128, 1024, 4096], help="prompt lengths, e.g. 128,1024,4096")
+    lat.add_argument("--contexts", type=_ints, default=[128, 1024, 4096],
+                     help="prompt lengths of the batch-1 runs (default: 128,1024,4096)")
     lat.add_argument("--output-tokens", type=_int_at_least(2), default=32,
-                     help="tokens generated per batch-1 run (>= 2: ITL needs a decode step)")
-    lat.add_argument("--concurrency", type=_ints, default=[1, 4, 16])
-    lat.add_argument("--concurrency-prompt-tokens", type=_int_at_least(1), default=128)
-    lat.add_argument("--concurrency-output-tokens", type=_int_at_least(1), default=64)
+                     help="tokens generated per batch-1 run (>= 2: ITL needs a decode step; default: 32)")
+    lat.add_argument("--concurrency", type=_ints, default=[1, 4, 16],
+                     help="concurrent requests per throughput run; include 1 for the 'vs batch 1' ratios "
+                          "(default: 1,4,16)")
+    lat.add_argument("--concurrency-prompt-tokens", type=_int_at_least(1), default=128,
+                     help="prompt length of each concurrent request (default: 128)")
+    lat.add_argument("--concurrency-output-tokens", type=_int_at_least(1), default=64,
+                     help="tokens each concurrent request generates (default: 64)")
     lat.add_argument("--compare", choices=["hf", "llama.cpp"], default=None,
                      help="run a peer on the same weights too: HF transformers, or llama.cpp (llama-cpp-python, "
                           "the optional 'bench' extra)")

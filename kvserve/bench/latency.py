@@ -151,13 +151,16 @@ def format_report(rep: LatencyReport) -> str:
                   "with prefill as measured):",
                   f"{'requests':>8} {'prompt':>7} {'output':>7} {'wall s':>7} {'out tok/s':>10} {'vs batch 1':>10} "
                   f"{'mean TTFT':>10} {'mean ITL':>9} {'roofline tok/s':>15} {'vs batch 1':>10}"]
-        base, roof_base = rep.throughput[0].output_tokens_per_s, rep.throughput[0].roofline_tokens_per_s
+        one = next((t for t in rep.throughput if t.concurrency == 1), None)  # no batch-1 run: no ratios
+        base = one.output_tokens_per_s if one else None
+        roof_base = one.roofline_tokens_per_s if one else None
+        ratio = lambda v, b: f"{v / b:>9.2f}x" if b else f"{'-':>10}"  # noqa: E731
         for t in rep.throughput:
             line = (f"{t.concurrency:>8} {t.prompt_tokens:>7} {t.output_tokens:>7} {t.wall_s:>7.2f} "
-                    f"{t.output_tokens_per_s:>10.1f} {t.output_tokens_per_s / base:>9.2f}x "
+                    f"{t.output_tokens_per_s:>10.1f} {ratio(t.output_tokens_per_s, base)} "
                     f"{t.mean_ttft_ms:>8.1f} ms {t.mean_itl_ms:>6.2f} ms")
-            if t.roofline_tokens_per_s is not None and roof_base:
-                line += f" {t.roofline_tokens_per_s:>15.1f} {t.roofline_tokens_per_s / roof_base:>9.2f}x"
+            if t.roofline_tokens_per_s is not None:
+                line += f" {t.roofline_tokens_per_s:>15.1f} {ratio(t.roofline_tokens_per_s, roof_base)}"
             lines.append(line)
     return "\n".join(lines)
 
