@@ -23,7 +23,7 @@ import torch
 _SRCS = [Path(__file__).with_name(n) for n in ("kv_quant_kernel.c", "layer_kernel.c", "int4_gemm.c")]
 # no -ffast-math: with GCC < 13 it would set flush-to-zero for the whole process when the library loads
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
-          "-fno-signed-zeros", "-fassociative-math", "-mprefer-vector-width=512"]
+          "-fno-signed-zeros", "-fassociative-math"]
 CODES = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "float32": 3, "bfloat16": 4}
 
 
