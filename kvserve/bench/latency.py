@@ -86,7 +86,8 @@ def run_concurrency(llm, c: int, prompt_tokens: int, output_tokens: int,
 def roofline_seconds(steps, read_bw: float) -> float:
     """The run's time if every decode-only step streamed its bytes at ``read_bw`` (bytes/s) and every
     step with prefill tokens took what it took (prefill is compute-bound): Σ bytes ÷ read_bw over
-    decode-only steps + Σ wall over the others. Engine bookkeeping between steps counts as zero."""
+    decode-only steps + Σ wall over the others. Engine bookkeeping between steps counts as zero. The
+    plain read is a DRAM read: a model whose bytes stay in the caches can beat this "roofline"."""
     return sum(s.total_bytes / read_bw if s.is_decode_only else s.wall_s for s in steps)
 
 
