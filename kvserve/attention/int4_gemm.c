@@ -40,15 +40,21 @@
 
 int kvs_int4_supported(void) { return 1; }
 
+/* bf16 bit patterns of q − 8 for q = 0..15, twice: vpermw reads 5 index bits, the code is the low 4 */
+static const uint16_t q_minus_8_lut[32] __attribute__((aligned(64))) = {
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0,
+    0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040,
+    0x4080, 0x40A0, 0x40C0, 0x40E0};
+
+/* 16 bfloat16 values (a record's scales at +128 or zeros at +144) as float32 */
+static inline __m512 bf16x16_to_ps(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
 /* MB rows of x (bfloat16, row stride xs) times one tile of 16 weight rows: out[m][0..16) float32. */
 static inline __attribute__((always_inline)) void int4_tile(const uint16_t *rec, int G, const uint16_t *x, int64_t xs,
                                                             const float *xsum, float *out, const int MB) {
-    /* bf16 bit patterns of q − 8 for q = 0..15, twice: vpermw reads 5 index bits, the code is the low 4 */
-    static const uint16_t lut[32] = {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-                                     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-                                     0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-                                     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
-    const __m512i table = _mm512_loadu_si512(lut);
+    const __m512i table = _mm512_load_si512(q_minus_8_lut);
     __m512 y[4];
     for (int m = 0; m < MB; m++) y[m] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++, rec += INT4_RECORD) {
@@ -68,10 +74,7 @@ static inline __attribute__((always_inline)) void int4_tile(const uint16_t *rec,
                 }
             }
         }
-        const __m512 scale = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 128))), 16));
-        const __m512 zero = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 144))), 16));
+        const __m512 scale = bf16x16_to_ps(rec + 128), zero = bf16x16_to_ps(rec + 144);
         for (int m = 0; m < MB; m++) {
             const __m512 a = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
             y[m] = _mm512_fmadd_ps(a, scale, y[m]);
@@ -116,12 +119,6 @@ static void amx_configure(int rows) {
     _tile_loadconfig(&cfg);
 }
 
-/* bf16 bit patterns of q − 8 for q = 0..15, twice: vpermw reads 5 index bits, the code is the low 4 */
-static const uint16_t amx_lut[32] __attribute__((aligned(64))) = {
-    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0,
-    0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040,
-    0x4080, 0x40A0, 0x40C0, 0x40E0};
-
 /* A record's 16 code vectors as bf16 (q − 8), stored as a B tile at b [16 × 32] */
 static inline __attribute__((always_inline)) void unpack_b(const uint16_t *rec, uint16_t *b, __m512i table) {
     for (int ch = 0; ch < 4; ch++) {
@@ -134,10 +131,7 @@ static inline __attribute__((always_inline)) void unpack_b(const uint16_t *rec, 
 /* y[m] += scale·A_g[m] + zero·X_g[m] for the group of record rec, A_g in c [rows × 16] */
 static inline __attribute__((always_inline)) void amx_apply(const uint16_t *rec, const float *c, const float *xs_g,
                                                             int G, __m512 *y, int rows) {
-    const __m512 scale = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 128))), 16));
-    const __m512 zero = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rec + 144))), 16));
+    const __m512 scale = bf16x16_to_ps(rec + 128), zero = bf16x16_to_ps(rec + 144);
     for (int m = 0; m < rows; m++) {
         y[m] = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * m), scale, y[m]);
         y[m] = _mm512_fmadd_ps(_mm512_set1_ps(xs_g[m * G]), zero, y[m]);
@@ -158,7 +152,7 @@ static inline __attribute__((always_inline)) void int4_tile_amx_rows(const uint1
                                                                      int64_t xs, const float *xsum, float *out,
                                                                      const int rows) {
     enum { CHUNK = 8 };  /* groups per phase */
-    const __m512i table = _mm512_load_si512(amx_lut);
+    const __m512i table = _mm512_load_si512(q_minus_8_lut);
     uint16_t b[CHUNK][16 * 32] __attribute__((aligned(64)));
     float c[CHUNK][16 * 16] __attribute__((aligned(64)));
     __m512 y[16];
