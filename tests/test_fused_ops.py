@@ -92,7 +92,7 @@ def _rope_case(dtype, cache_dtype, T=5, H=9, Hkv=3, d=64, strided=False):
     slots = torch.randperm(64, generator=g)[:T]  # distinct cache slots
     caches = []
     for _ in range(2):
-        if cache_dtype in ("int8", "fp8_e4m3"):
+        if cache_dtype in ("int8", "fp8_e4m3", "fp8_e5m2"):
             caches.append([QuantizedKVCache.zeros(cache_dtype, 4, 16, Hkv, d) for _ in range(2)])
         else:
             caches.append([torch.zeros(4, 16, Hkv, d, dtype=cache_dtype) for _ in range(2)])
@@ -100,12 +100,15 @@ def _rope_case(dtype, cache_dtype, T=5, H=9, Hkv=3, d=64, strided=False):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, "int8"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, "int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("T", [5, 40])  # 40 tokens: the threaded loop
-def test_rope_write_kv_bit_identical_to_eager(dtype, cache_dtype, strided, T):
+def test_rope_write_kv_bit_identical_to_eager(dtype, cache_dtype, strided, T, monkeypatch):
+    """The kernel's RoPE + cache write against eager RoPE + index_copy; 1-byte caches against the plain
+    PyTorch quantize (the reference write runs with the C library hidden)."""
     qkv, pos, rot, slots, (fast_c, ref_c), (H, Hkv, d) = _rope_case(dtype, cache_dtype, T=T, strided=strided)
     q, k, v = fused_ops.rope_write_kv(qkv, pos, rot.cos, rot.sin, *fast_c, slots, H, Hkv, d)
+    monkeypatch.setattr(kv_quant_kernel, "load", lambda: None)
     rq, rk, rv = fused_ops.rope_write_kv_reference(qkv, pos, rot.cos, rot.sin, *ref_c, slots, H, Hkv, d)
     assert q.shape == (T, H, d) and k.shape == (T, Hkv, d) and v.shape == (T, Hkv, d)
     assert torch.equal(q, rq) and torch.equal(k, rk) and torch.equal(v, rv)
@@ -175,14 +178,16 @@ def test_rope_write_kv_without_kv_outputs_writes_the_same_cache(dtype):
     assert all(torch.equal(a, b) for a, b in zip(fast_c, ref_c))
 
 
-@pytest.mark.parametrize("dtype,weight_dtype,bias", [("float32", "float32", False), ("bfloat16", "bfloat16", False),
-                                                     ("bfloat16", "int4", False), ("bfloat16", "int8", False),
-                                                     ("float32", "int4", False), ("float32", "int8", True),
-                                                     ("bfloat16", "int4", True)])
-def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias):
+@pytest.mark.parametrize("dtype,weight_dtype,bias,kv_dtype", [
+    ("float32", "float32", False, "auto"), ("bfloat16", "bfloat16", False, "auto"), ("bfloat16", "int4", False, "auto"),
+    ("bfloat16", "int8", False, "auto"), ("float32", "int4", False, "auto"), ("float32", "int8", True, "auto"),
+    ("bfloat16", "int4", True, "auto"), ("float32", "float32", False, "int8"),
+    ("bfloat16", "bfloat16", False, "fp8_e4m3"), ("float32", "int8", True, "fp8_e5m2")])
+def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias, kv_dtype):
     """The flat decode loop (llama_decode.py) against the modules' forward: same tokens and the very same
     logprobs for a batch of decodes of different lengths (the plan runs the same kernels in the same order;
-    a float32 model's packed layers get their bfloat16 inputs straight from the kernels). With q/k/v bias."""
+    a float32 model's packed layers get their bfloat16 inputs straight from the kernels). With q/k/v bias,
+    and over 1-byte KV caches (codes and scales written by the same C quantizer on both paths)."""
     from kvserve import SamplingParams
     from kvserve.models.catalog import DUMMY_PRESETS
     from kvserve.models.llama_decode import LlamaDecodePlan
@@ -192,7 +197,7 @@ def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias):
     sp = SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
     results = []
     for use_plan in (True, False):
-        llm = tiny_llm(dtype=dtype, weight_dtype=weight_dtype, max_num_batched_tokens=64,
+        llm = tiny_llm(dtype=dtype, weight_dtype=weight_dtype, max_num_batched_tokens=64, kv_cache_dtype=kv_dtype,
                        dummy_config=DUMMY_PRESETS["tiny-llama"].replace(attention_bias=bias))
         model = llm.engine.runner.model
         g = torch.Generator().manual_seed(5)
@@ -216,7 +221,9 @@ def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias):
 @pytest.mark.parametrize("dtype,kv_dtype,lens", [
     ("bfloat16", "auto", (1, 15, 16, 17, 33, 70) * 3),  # 18 rows: two AMX blocks where the int4 kernel has AMX
     ("float32", "auto", (1, 15, 16, 17, 33, 70) * 3), ("float32", "bfloat16", (1, 15, 16, 17, 33, 70) * 3),
-    ("bfloat16", "auto", (300, 47)), ("float32", "auto", (300,))])  # long rows: several attention chunks
+    ("bfloat16", "auto", (300, 47)), ("float32", "auto", (300,)),  # long rows: several attention chunks
+    ("bfloat16", "int8", (1, 15, 16, 17, 33, 70) * 3), ("float32", "fp8_e4m3", (300, 47)),
+    ("bfloat16", "fp8_e5m2", (1, 17, 33))])
 def test_one_call_int4_decode_step_equals_the_flat_loop(dtype, kv_dtype, lens):
     """kvs_llama_decode_int4 against the Python loop of the same kernels: identical hidden states for a
     decode batch of uneven lengths (1 to 70 tokens: one to five KV blocks; or one or two long sequences
@@ -244,22 +251,14 @@ def test_one_call_int4_decode_step_equals_the_flat_loop(dtype, kv_dtype, lens):
         outs = [o.outputs[0] for o in llm.generate([list(range(3, 3 + n)) for n in lens], sp)]
         plan = next(p for _, p in model._plans.values())
         assert (plan.int4_layers is not None) == one_call
-        caches = [c.clone() for kv in llm.engine.runner.kv_caches for c in kv]
+        caches = [t.clone() for kv in llm.engine.runner.kv_caches for c in kv
+                  for t in ((c,) if isinstance(c, torch.Tensor) else (c.codes, c.scale))]  # 1-byte: codes + scales
         runs.append((outs, caches))
     (a_outs, a_caches), (b_outs, b_caches) = runs
     for a, b in zip(a_outs, b_outs):
         assert a.token_ids == b.token_ids
         assert [x.top_logprobs for x in a.logprobs] == [x.top_logprobs for x in b.logprobs]
     assert all(torch.equal(x, y) for x, y in zip(a_caches, b_caches))
-
-
-def test_decode_plan_not_built_for_quantized_kv_cache():
-    from kvserve import SamplingParams
-    from tests.conftest import tiny_llm
-
-    llm = tiny_llm(kv_cache_dtype="int8")
-    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert [p for _, p in llm.engine.runner.model._plans.values()] == [None]
 
 
 def test_rope_write_kv_head_dim_over_kernel_buffer_takes_reference_path():

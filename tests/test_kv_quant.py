@@ -60,6 +60,48 @@ def test_kernel_fp8_decoding_matches_torch_for_every_code(kind):
     assert torch.equal(got[finite], want[finite])
 
 
+def _tie_rows(kind: str, d: int) -> torch.Tensor:
+    """Rows whose first value is QMAX (so the scale is exactly 1 and x / scale = x) followed by every tie
+    of the format (the midpoint of two neighbouring codes, both signs, subnormals included), -0.0 and 0."""
+    if kind == "int8":
+        ties, top = torch.arange(-127, 127, dtype=torch.float32) + 0.5, 127.0
+    else:
+        dtype, top = kv_quant.QUANT_KINDS[kind]
+        vals = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+        vals = vals[vals.isfinite() & (vals >= 0) & (vals <= top)].unique().sort().values  # 0 .. QMAX
+        mid = (vals[1:] + vals[:-1]) / 2  # exact in float32
+        ties = torch.cat([mid, -mid, vals, -vals])
+    ties = torch.cat([ties, torch.tensor([-0.0, 0.0])])
+    ties = torch.cat([ties, ties[: (-len(ties)) % (d - 1)]])  # whole rows
+    return torch.cat([torch.full((len(ties) // (d - 1), 1), top), ties.view(-1, d - 1)], dim=1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_quantize_writes_the_bits_of_torch_quantize(kind, dtype):
+    """kvq_write_quantized (the C write path of prefill, RoPE and the decode plan) against the plain
+    PyTorch quantize + index_copy, bit for bit: random rows over 6 decades, an all-zero row, and rows
+    made of every rounding tie of the format at scale 1 (round half to even, subnormals, signed zeros)."""
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        pytest.skip("no C compiler")
+    d, Hkv = 64, 2
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(200, Hkv, d, generator=g) * torch.logspace(-3, 3, 200)[:, None, None]
+    ties = _tie_rows(kind, d)
+    ties = torch.cat([ties, ties[: len(ties) % Hkv]]).view(-1, Hkv, d)
+    x = torch.cat([x, torch.zeros(1, Hkv, d), ties]).to(dtype)
+    if dtype == torch.bfloat16:
+        assert torch.equal(x[-len(ties):].float(), ties) or kind != "int8"  # int8 ties are bf16-exact
+    T = x.shape[0]
+    slots = torch.randperm(T + 5, generator=g)[:T]
+    cache = QuantizedKVCache.zeros(kind, (T + 5 + 3) // 4, 4, Hkv, d)
+    kv_quant_kernel.write_quantized(dll, x, cache.codes, cache.scale, slots, kind)
+    codes, scale = quantize(x, kind)
+    assert torch.equal(cache.codes.view(-1, Hkv, d)[slots], codes)
+    assert torch.equal(cache.scale.view(-1, Hkv)[slots], scale)
+
+
 def _run(kind, num_heads, num_kv_heads, context_lens, query_lens, block_size=4, head_dim=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_blocks = 400
@@ -86,6 +128,21 @@ CASES = [([0], [7]), ([5], [6]), ([8], [4]), ([3, 8, 15], [1, 1, 1]), ([4, 7, 0,
 @pytest.mark.parametrize("case", CASES)
 def test_fast_matches_quantized_reference(kind, heads, case):
     fast, ref = _run(kind, *heads, *case)
+    assert (fast - ref).abs().max() <= KERNEL_TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("head_dim,block_size,heads,lens", [
+    (64, 16, (9, 3), ([0, 15, 16, 17, 40, 600], [1] * 6)),  # SmolLM2's heads; 16-token groups, partial blocks
+    (128, 16, (8, 2), ([3, 31, 1030], [1, 1, 1])),  # Llama-3's head_dim; a sequence over two chunks
+    (64, 5, (4, 1), ([0, 4, 5, 23], [1, 1, 1, 1])),  # blocks smaller than a 16-row group
+    (64, 32, (6, 6), ([70, 33], [1, 1])),  # MHA; 32-token blocks: two groups per block
+    (256, 16, (2, 1), ([20, 47], [1, 1])),
+    (16, 16, (4, 2), ([9, 50], [1, 1]))])
+def test_vectorized_decode_matches_quantized_reference(kind, head_dim, block_size, heads, lens):
+    """The vectorized K and V passes over 1-byte caches (head_dim a multiple of 16: every model's) against
+    the reference over the same codes, at decode (one new token per sequence)."""
+    fast, ref = _run(kind, *heads, *lens, block_size=block_size, head_dim=head_dim)
     assert (fast - ref).abs().max() <= KERNEL_TOL
 
 

@@ -35,4 +35,44 @@ static inline float exp_nonpos(float x) {
     return x < -87.f ? 0.f : p * bits_to_float(bits);
 }
 
+/* One float (already divided by its scale and clamped to the format's range, finite) as a float8 code,
+ * round to nearest even as torch's .to(float8_e4m3fn / float8_e5m2): mbits mantissa bits, exponent
+ * bias `bias`. Subnormals (below 2^(1 - bias)) are multiples of 2^(1 - bias - mbits); a subnormal that
+ * rounds up to 2^mbits of those is the smallest normal, whose code is the same integer. */
+static inline uint8_t float_to_fp8(float y, const int mbits, const int bias) {
+    uint32_t b;
+    memcpy(&b, &y, 4);
+    const uint32_t sign = (b >> 24) & 0x80u, mag = b & 0x7fffffffu;
+    const float a = bits_to_float(mag);
+    if (a < bits_to_float((uint32_t)(128 - bias) << 23))  /* 2^(1 - bias) */
+        return (uint8_t)(sign | (uint32_t)nearbyintf(a * bits_to_float((uint32_t)(126 + bias + mbits) << 23)));
+    const int drop = 23 - mbits;
+    const uint32_t rounded = (mag + (1u << (drop - 1)) - 1u + ((mag >> drop) & 1u)) >> drop;
+    return (uint8_t)(sign | (rounded - ((uint32_t)(127 - bias) << mbits)));
+}
+
+/* A cache row's codes and scale, as kvserve.attention.kv_quant.quantize computes them (bit for bit):
+ * scale = max(max|x| / QMAX, 1e-12), code = x / scale rounded (int8: to nearest even integer, clamped
+ * to ±127; fp8: clamped to ±QMAX, then float_to_fp8). code: 0 int8, 1 fp8 e4m3 (QMAX 448), 2 fp8 e5m2
+ * (QMAX 57344). x: [d] float32; out: [d] codes. */
+static inline float quantize_row(const float *x, int d, int code, uint8_t *out) {
+    const float qmax = code == 0 ? 127.f : code == 1 ? 448.f : 57344.f;
+    float amax = 0.f;
+    for (int i = 0; i < d; i++) { const float a = fabsf(x[i]); amax = a > amax ? a : amax; }
+    float s = amax / qmax;
+    s = s < (float)1e-12 ? (float)1e-12 : s;
+    for (int i = 0; i < d; i++) {
+        float y = x[i] / s;
+        if (code == 0) {
+            y = nearbyintf(y);
+            y = y > 127.f ? 127.f : y < -127.f ? -127.f : y;
+            out[i] = (uint8_t)(int8_t)y;
+        } else {
+            y = y > qmax ? qmax : y < -qmax ? -qmax : y;
+            out[i] = code == 1 ? float_to_fp8(y, 3, 7) : float_to_fp8(y, 2, 15);
+        }
+    }
+    return s;
+}
+
 #endif

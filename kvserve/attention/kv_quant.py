@@ -117,8 +117,14 @@ def dequantize_cache(cache: QuantizedKVCache) -> torch.Tensor:
 # ---------------------------------------------------------------------- write / attend (fast path)
 def write_kv_quantized(key_cache: QuantizedKVCache, value_cache: QuantizedKVCache, k: torch.Tensor,
                        v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Quantize and store new rows. k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens]."""
+    """Quantize and store new rows. k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens].
+    On CPU with the C library, one call per cache (:func:`kv_quant_kernel.write_quantized`, the same bits)."""
+    dll = kv_quant_kernel.load() if k.device.type == "cpu" and not torch.compiler.is_compiling() else None
     for cache, x in ((key_cache, k), (value_cache, v)):
+        if dll is not None and x.dtype in (torch.float32, torch.bfloat16) and x.stride(2) == 1 \
+                and x.stride(1) == x.shape[2] and cache.codes.is_contiguous() and cache.scale.is_contiguous():
+            kv_quant_kernel.write_quantized(dll, x, cache.codes, cache.scale, slot_mapping, cache.kind)
+            continue
         codes, scale = quantize(x, cache.kind)
         Hkv, d = cache.codes.shape[2], cache.codes.shape[3]
         cache.codes.view(-1, Hkv, d).index_copy_(0, slot_mapping, codes)

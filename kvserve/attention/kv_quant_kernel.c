@@ -13,29 +13,11 @@
 #include <string.h>
 
 #include "kernel_math.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 static inline int elem_size(int code) { return code == 3 ? 4 : code == 4 ? 2 : 1; }
-
-static inline void decode_row(const uint8_t *src, float *dst, int d, int code) {
-    if (code == 3) {
-        memcpy(dst, src, sizeof(float) * (size_t)d);
-    } else if (code == 4) {
-        const uint16_t *h = (const uint16_t *)src;
-        for (int i = 0; i < d; i++) dst[i] = bits_to_float((uint32_t)h[i] << 16);
-    } else if (code == 0) {
-        for (int i = 0; i < d; i++) dst[i] = (float)(int8_t)src[i];
-    } else if (code == 1) {
-        for (int i = 0; i < d; i++) {
-            uint32_t x = src[i];
-            dst[i] = bits_to_float(((x & 0x80u) << 24) | ((x & 0x7Fu) << 20)) * 0x1p120f;
-        }
-    } else {
-        for (int i = 0; i < d; i++) {
-            uint32_t x = src[i];
-            dst[i] = bits_to_float(((x & 0x80u) << 24) | ((x & 0x7Fu) << 21)) * 0x1p112f;
-        }
-    }
-}
 
 /* Asks for the cache row of kv head h of token j of the block at slot next_base (the block after the one
  * being read; nothing when next_base < 0). Every loop over a block's rows calls it for the same row of the
@@ -60,21 +42,98 @@ static inline int64_t next_block_base(const int64_t *table, int64_t t0, int64_t 
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef int8_t v16c __attribute__((vector_size(16)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
 
-/* 16 values of a float32 (code 3) or bfloat16 (code 4) row as a vector of floats */
-static inline v16f load16(const uint8_t *p, int code) {
+/* 16 values of a row of any cache code as a vector of floats (exact, unscaled; decode_row_scalar's
+ * values, tested for every fp8 code) */
+static inline __attribute__((always_inline)) v16f load16(const uint8_t *p, const int code) {
     if (code == 3) { v16f v; memcpy(&v, p, sizeof v); return v; }
-    v16h h;
-    memcpy(&h, p, sizeof h);
-    return (v16f)(__builtin_convertvector(h, v16u) << 16);
+    if (code == 4) {
+        v16h h;
+        memcpy(&h, p, sizeof h);
+        return (v16f)(__builtin_convertvector(h, v16u) << 16);
+    }
+#ifdef __AVX512F__  /* GCC lowers the generic byte -> int conversion to scalar inserts */
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    if (code == 0) return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    /* fp8 through float16 (vcvtph2ps): e5m2 is a float16's top byte; e4m3's 7 magnitude bits placed at
+     * bit 7 of a float16 read 2^-8 of the value, subnormals included (e4m3 2^(e-7), m 2^-9 ↔ float16
+     * 2^(e-15), m 2^-17). The float16 route keeps subnormal codes off the float32 multiply: a float32
+     * denormal operand costs a microcode assist (fp8 attention ran 4× slower than int8 with them). */
+    const __m256i x16 = _mm256_cvtepu8_epi16(bytes);
+    if (code == 2) return (v16f)_mm512_cvtph_ps(_mm256_slli_epi16(x16, 8));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x16, _mm256_set1_epi16(0x7F)), 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(x16, _mm256_set1_epi16(0x80)), 8));
+    return (v16f)_mm512_cvtph_ps(h) * 256.f;
+#else
+    if (code == 0) {
+        v16c c;
+        memcpy(&c, p, sizeof c);
+        return __builtin_convertvector(__builtin_convertvector(c, v16i), v16f);
+    }
+    v16b c;
+    memcpy(&c, p, sizeof c);
+    const v16u x = __builtin_convertvector(c, v16u);
+    if (code == 1) return (v16f)(((x & 0x80u) << 24) | ((x & 0x7Fu) << 20)) * 0x1p120f;
+    return (v16f)(((x & 0x80u) << 24) | ((x & 0x7Fu) << 21)) * 0x1p112f;
+#endif
+}
+
+static inline void decode_row_scalar(const uint8_t *src, float *dst, int d, int code) {
+    if (code == 3) {
+        memcpy(dst, src, sizeof(float) * (size_t)d);
+    } else if (code == 4) {
+        const uint16_t *h = (const uint16_t *)src;
+        for (int i = 0; i < d; i++) dst[i] = bits_to_float((uint32_t)h[i] << 16);
+    } else if (code == 0) {
+        for (int i = 0; i < d; i++) dst[i] = (float)(int8_t)src[i];
+    } else if (code == 1) {
+        for (int i = 0; i < d; i++) {
+            uint32_t x = src[i];
+            dst[i] = bits_to_float(((x & 0x80u) << 24) | ((x & 0x7Fu) << 20)) * 0x1p120f;
+        }
+    } else {
+        for (int i = 0; i < d; i++) {
+            uint32_t x = src[i];
+            dst[i] = bits_to_float(((x & 0x80u) << 24) | ((x & 0x7Fu) << 21)) * 0x1p112f;
+        }
+    }
+}
+
+/* A row of d elements of any code as floats (unscaled): 16 at a time through load16, the rest one by one. */
+static inline void decode_row(const uint8_t *src, float *dst, int d, int code) {
+    const int64_t es = elem_size(code);
+    int i = 0;
+    for (; i + 16 <= d; i += 16) {
+        v16f v;
+        switch (code) {
+            case 0: v = load16(src + i * es, 0); break;
+            case 1: v = load16(src + i * es, 1); break;
+            case 2: v = load16(src + i * es, 2); break;
+            case 3: v = load16(src + i * es, 3); break;
+            default: v = load16(src + i * es, 4);
+        }
+        memcpy(dst + i, &v, sizeof v);
+    }
+    if (i < d) decode_row_scalar(src + i * es, dst + i, d - i, code);
+}
+
+/* The next block's scale lines of kv head h's column (1-byte caches; nothing for float caches) */
+static inline __attribute__((always_inline)) void prefetch_scales(const float *scales, int64_t next_base, int bs,
+                                                                  int Hkv) {
+    if (!scales || next_base < 0) return;
+    const char *p = (const char *)(scales + next_base * Hkv), *e = (const char *)(scales + (next_base + bs) * Hkv);
+    for (const char *a = p - ((uintptr_t)p & 63); a < e; a += 64) __builtin_prefetch(a, 0, 3);
 }
 
 /* The softmax-weighted sum of V over a chunk for float32/bfloat16 caches: acc[g, :] = Σ_t w[g, t] V[t, :],
  * one query row at a time so its d/16 accumulators stay in registers over the whole chunk (the chunk's V
  * rows come again from L1/L2 for each row). d is a multiple of 16, at most 256. */
 static inline __attribute__((always_inline)) void v_pass_float(
-        const uint8_t *vc, const int64_t *table, int64_t t_begin, int64_t t_end, const float *scores, int64_t L,
-        float *acc, int G, int Hkv, int h, const int d, int bs, int code) {
+        const uint8_t *vc, const float *vs, const int64_t *table, int64_t t_begin, int64_t t_end, const float *scores,
+        int64_t L, float *acc, int G, int Hkv, int h, const int d, int bs, const int code) {
     const int64_t es = elem_size(code);
     for (int g = 0; g < G; g++) {
         v16f a[16];
@@ -83,10 +142,11 @@ static inline __attribute__((always_inline)) void v_pass_float(
         for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
             const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
             const int64_t next = g == 0 ? next_block_base(table, t0, t_end, bs) : -1;  /* later rows: from L2 */
+            prefetch_scales(vs, next, bs, Hkv);
             for (int64_t j = 0; j < n; j++) {
                 const uint8_t *row = vc + ((base + j) * Hkv + h) * d * es;
                 prefetch_row(vc, next, j, Hkv, h, d * es);
-                const float wt = w[t0 + j];
+                const float wt = vs ? w[t0 + j] * vs[(base + j) * Hkv + h] : w[t0 + j];
                 for (int c = 0; c < d / 16; c++) a[c] += wt * load16(row + c * 16 * es, code);
             }
         }
@@ -98,8 +158,8 @@ static inline __attribute__((always_inline)) void v_pass_float(
  * each V row is loaded and converted once instead of once per query row. Every accumulator sums over
  * the tokens in the same order as in v_pass_float. */
 static inline __attribute__((always_inline)) void v_pass_float_rows(
-        const uint8_t *vc, const int64_t *table, int64_t t_begin, int64_t t_end, const float *scores, int64_t L,
-        float *acc, const int G, int Hkv, int h, const int d, int bs, int code) {
+        const uint8_t *vc, const float *vs, const int64_t *table, int64_t t_begin, int64_t t_end, const float *scores,
+        int64_t L, float *acc, const int G, int Hkv, int h, const int d, int bs, const int code) {
     const int64_t es = elem_size(code);
     const int C = d / 16;
     v16f a[16];
@@ -107,33 +167,38 @@ static inline __attribute__((always_inline)) void v_pass_float_rows(
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
         const int64_t next = next_block_base(table, t0, t_end, bs);
+        prefetch_scales(vs, next, bs, Hkv);
         for (int64_t j = 0; j < n; j++) {
             const uint8_t *row = vc + ((base + j) * Hkv + h) * d * es;
             prefetch_row(vc, next, j, Hkv, h, d * es);
             const float *w = scores + (t0 + j - t_begin);
+            float wg[16];
+            for (int g = 0; g < G; g++) wg[g] = vs ? w[g * L] * vs[(base + j) * Hkv + h] : w[g * L];
             for (int c = 0; c < C; c++) {
                 const v16f v = load16(row + c * 16 * es, code);
-                for (int g = 0; g < G; g++) a[g * C + c] += w[g * L] * v;
+                for (int g = 0; g < G; g++) a[g * C + c] += wg[g] * v;
             }
         }
     }
     for (int i = 0; i < G * C; i++) memcpy(acc + i * 16, &a[i], sizeof a[i]);
 }
 
-/* The V pass for float32/bfloat16 caches (d % 16 == 0, d <= 256), all rows at once where that fits. */
+/* The V pass (d % 16 == 0, d <= 256), all rows at once where that fits; vs: the V scales of a 1-byte
+ * cache (each softmax weight times its token's scale), NULL for float caches. */
 static inline __attribute__((always_inline)) void v_pass(
-        const uint8_t *vc, const int64_t *table, int64_t t_begin, int64_t t_end, const float *scores, int64_t L,
-        float *acc, int G, int Hkv, int h, const int d, int bs, int code) {
+        const uint8_t *vc, const float *vs, const int64_t *table, int64_t t_begin, int64_t t_end, const float *scores,
+        int64_t L, float *acc, int G, int Hkv, int h, const int d, int bs, const int code) {
 #define V_ROWS(GG, DD) \
-    if (G == GG && d == DD) { v_pass_float_rows(vc, table, t_begin, t_end, scores, L, acc, GG, Hkv, h, DD, bs, code); return; }
+    if (G == GG && d == DD) { \
+        v_pass_float_rows(vc, vs, table, t_begin, t_end, scores, L, acc, GG, Hkv, h, DD, bs, code); return; }
     V_ROWS(1, 64) V_ROWS(2, 64) V_ROWS(3, 64) V_ROWS(4, 64) V_ROWS(1, 128) V_ROWS(2, 128) V_ROWS(1, 256)
 #undef V_ROWS
-    v_pass_float(vc, table, t_begin, t_end, scores, L, acc, G, Hkv, h, d, bs, code);
+    v_pass_float(vc, vs, table, t_begin, t_end, scores, L, acc, G, Hkv, h, d, bs, code);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
-#define HAVE_K_PASS_BF16 1
+#define HAVE_K_PASS_CODES 1
 
 /* lane t of the result = the sum of the 16 lanes of v[t] (a transpose-and-add tree: 46 shuffles and adds
  * where 16 separate horizontal sums take ~130). */
@@ -153,6 +218,63 @@ static inline __m512 transpose_sum16(const __m512 *v) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
 }
 
+/* The scores against a 1-byte key cache (int8 / fp8 codes, one scale per token and KV head) for float32
+ * queries: a block's 16-row group of one head is converted once into an L1 scratch, then each query row
+ * takes its 16 dot products there (fused multiply-adds, 16 lanes of partial sums per token, reduced by
+ * one transpose_sum16), score = dot · (k_scale · softmax scale), as the generic loop computes it. The
+ * next block's codes and scales are asked for spread over the block's products, as in k_pass_bf16.
+ * qf: [Hkv·G, d] float32; ks: [num_slots, Hkv]; scores: [Hkv·G, L]; mx: [Hkv·G] running maxima.
+ * d % 16 == 0, d <= 256. */
+static inline __attribute__((always_inline)) void k_pass_codes(
+        const float *qf, const uint8_t *kc, const float *ks, const int64_t *table, int64_t t_begin, int64_t t_end,
+        float *scores, int64_t L, float *mx, int G, int Hkv, const int d, int bs, float scale, const int code) {
+    const int D = d / 16;
+    const int64_t stride = (int64_t)Hkv * d;  /* bytes from one token's row to the next */
+    float rows[16 * 256] __attribute__((aligned(64)));
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
+        const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
+        const int64_t next = next_block_base(table, t0, t_end, bs), lines = bs * stride / 64;
+        const char *pf = next < 0 ? NULL : (const char *)(kc + next * stride);
+        const int64_t per = (lines + Hkv * G * ((n + 15) / 16) - 1) / (Hkv * G * ((n + 15) / 16));
+        int64_t pf_at = 0;
+        prefetch_scales(ks, next, bs, Hkv);
+        for (int h = 0; h < Hkv; h++)
+            for (int64_t j0 = 0; j0 < n; j0 += 16) {
+                const int nj = n - j0 < 16 ? (int)(n - j0) : 16;
+                const __mmask16 live = (__mmask16)((1u << nj) - 1u);
+                float sk[16] = {0};
+                for (int j = 0; j < nj; j++) {
+                    const int64_t slot = base + j0 + j;
+                    const uint8_t *row = kc + (slot * Hkv + h) * d;
+                    for (int c = 0; c < D; c++) {
+                        const v16f v = load16(row + 16 * c, code);
+                        memcpy(rows + j * d + 16 * c, &v, sizeof v);
+                    }
+                    sk[j] = ks[slot * Hkv + h] * scale;
+                }
+                const __m512 skv = _mm512_loadu_ps(sk);
+                for (int g = h * G; g < (h + 1) * G; g++) {
+                    for (int64_t i = 0; pf && i < per && pf_at < lines; i++, pf_at++) __builtin_prefetch(pf + pf_at * 64, 0, 3);
+                    __m512 q[16];
+                    for (int c = 0; c < D; c++) q[c] = _mm512_loadu_ps(qf + g * d + 16 * c);
+                    __m512 v[16];
+                    for (int j = 0; j < 16; j++) {
+                        v[j] = _mm512_setzero_ps();
+                        if (j >= nj) continue;
+                        for (int c = 0; c < D; c++)
+                            v[j] = _mm512_fmadd_ps(_mm512_load_ps(rows + j * d + 16 * c), q[c], v[j]);
+                    }
+                    const __m512 sc = _mm512_mul_ps(transpose_sum16(v), skv);
+                    _mm512_mask_storeu_ps(scores + g * L + (t0 - t_begin) + j0, live, sc);
+                    const float m = _mm512_mask_reduce_max_ps(live, sc);
+                    if (m > mx[g]) mx[g] = m;
+                }
+            }
+    }
+}
+
+#if defined(__AVX512BF16__)
+#define HAVE_K_PASS_BF16 1
 /* The scores against a bfloat16 key cache when the queries are bfloat16 values (a bfloat16 model's):
  * q·k by AVX512-BF16 pair dot products straight from the cache (products of two bfloat16 are exact in
  * float32; vdpbf16ps accumulates in float32 and treats denormals as zero), 16 tokens at a time reduced
@@ -197,6 +319,7 @@ static inline __attribute__((always_inline)) void k_pass_bf16(
     }
 }
 #endif
+#endif
 
 /* One (sequence, kv head, chunk of tokens [t_begin, t_end)): G query rows. Writes the chunk's partial
  * softmax state (flash-decoding, Dao et al. 2023): running max mx[G], sum of exp sum[G] and the
@@ -238,8 +361,15 @@ static inline __attribute__((always_inline)) void attend_chunk(
         for (int64_t t = 0; t < L; t++) { const float e = exp_nonpos(sg[t] - m); sg[t] = e; z += e; }
         sum[g] = z;
     }
-    if ((code == 3 || code == 4) && d % 16 == 0 && d <= 256) {  /* float caches: accumulators in registers */
-        v_pass(vc, table, t_begin, t_end, scores, L, acc, G, Hkv, h, d, bs, code);
+    if (d % 16 == 0 && d <= 256) {  /* accumulators in registers; the code a constant in each copy */
+        const float *vsh = code <= 2 ? vs : NULL;
+        switch (code) {
+            case 0: v_pass(vc, vsh, table, t_begin, t_end, scores, L, acc, G, Hkv, h, d, bs, 0); break;
+            case 1: v_pass(vc, vsh, table, t_begin, t_end, scores, L, acc, G, Hkv, h, d, bs, 1); break;
+            case 2: v_pass(vc, vsh, table, t_begin, t_end, scores, L, acc, G, Hkv, h, d, bs, 2); break;
+            case 3: v_pass(vc, NULL, table, t_begin, t_end, scores, L, acc, G, Hkv, h, d, bs, 3); break;
+            default: v_pass(vc, NULL, table, t_begin, t_end, scores, L, acc, G, Hkv, h, d, bs, 4);
+        }
         if (!pre) free(scores);
         return;
     }
@@ -296,7 +426,20 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
         const int64_t nchunks = first[b + 1] - first[b], c = item - first[b], t_begin = c * chunk;
         const int64_t t_end = t_begin + chunk < seq_lens[b] ? t_begin + chunk : seq_lens[b];
         const int64_t *table = block_tables + b * bt_stride, L = t_end - t_begin;
-        float *pre = NULL, *pre_mx = NULL;  /* every head's scores, from k_pass_bf16 */
+        float *pre = NULL, *pre_mx = NULL;  /* every head's scores, from k_pass_bf16 / k_pass_codes */
+#ifdef HAVE_K_PASS_CODES
+        if (code <= 2 && d % 16 == 0 && d <= 256) {
+            pre = malloc(sizeof(float) * (size_t)(H * L + H));
+            pre_mx = pre + H * L;
+            for (int i = 0; i < H; i++) pre_mx[i] = -INFINITY;
+            const float *qs = q + (int64_t)b * H * d;
+#define K_CODES(CODE) \
+            if (d == 64) k_pass_codes(qs, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 64, bs, scale, CODE); \
+            else k_pass_codes(qs, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, d, bs, scale, CODE);
+            if (code == 0) { K_CODES(0) } else if (code == 1) { K_CODES(1) } else { K_CODES(2) }
+#undef K_CODES
+        }
+#endif
 #ifdef HAVE_K_PASS_BF16
         if (q_bf16 && code == 4 && d % 32 == 0 && d <= 256) {
             pre = malloc(sizeof(float) * (size_t)(H * L + H) + sizeof(uint16_t) * (size_t)(H * d));
@@ -371,6 +514,22 @@ void kvq_decode_attention(const float *q, const uint8_t *kc, const uint8_t *vc, 
                               code, chunk, first, part, q_bf16);
     free(part);
     free(first);
+}
+
+/* Quantize and store T tokens' K or V rows: x [T, Hkv, d] in code in_code (3 float32, 4 bfloat16; token
+ * rows row_stride elements apart, heads d apart) → codes [num_slots, Hkv, d] and scales [num_slots, Hkv]
+ * at slot_mapping[t], by quantize_row (= kv_quant.quantize, bit for bit). code: 0/1/2. */
+void kvq_write_quantized(const void *x, int in_code, int64_t row_stride, int64_t T, int Hkv, int d,
+                         const int64_t *slot_mapping, uint8_t *codes, float *scales, int code, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 16)
+    for (int64_t t = 0; t < T; t++)
+        for (int h = 0; h < Hkv; h++) {
+            float row[1024];
+            const int64_t src = t * row_stride + (int64_t)h * d, dst = slot_mapping[t] * Hkv + h;
+            for (int i = 0; i < d; i++)
+                row[i] = in_code == 3 ? ((const float *)x)[src + i] : bf16_to_float(((const uint16_t *)x)[src + i]);
+            scales[dst] = quantize_row(row, d, code, codes + dst * d);
+        }
 }
 
 /* Dequantize n rows of d codes: dst[r, :] = code_to_float(src[r, :]) * scales[r]. src: [n, d]; dst: [n, d]. */

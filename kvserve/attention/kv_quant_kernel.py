@@ -53,10 +53,13 @@ def load() -> ctypes.CDLL | None:
     dll.kvq_decode_attention.restype = None
     dll.kvq_dequantize.argtypes = [p, p, p, i64, i32, i32, i32]
     dll.kvq_dequantize.restype = None
-    dll.kvs_rope_write_kv.argtypes = [p, i32, i64, p, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, i32]
+    dll.kvq_write_quantized.argtypes = [p, i32, i64, i64, i32, i32, p, p, p, i32, i32]
+    dll.kvq_write_quantized.restype = None
+    dll.kvs_rope_write_kv.argtypes = [p, i32, i64, p, p, p, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, i32]
     dll.kvs_add_rms_norm.argtypes = [p, p, i32, p, i32, f32, p, i32, i64, i32, i32, i32]
     dll.kvs_silu_mul.argtypes = [p, i32, p, i32, i64, i32, i32, i32]
-    dll.kvs_decode_attention.argtypes = [p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, i32, f32, i32, i32, i32]
+    dll.kvs_decode_attention.argtypes = [p, p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, i32, f32, i32, i32,
+                                         i32]
     dll.kvs_int4_linear.argtypes = [p, i64, i32, p, i32, p, i32, i32]
     dll.kvs_llama_decode_int4.argtypes = [p, i32, i32, p, p, p, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, i32,
                                           f32, f32, i32, i32, i32, i32]
@@ -118,13 +121,27 @@ def act_decode_attention(dll: ctypes.CDLL, q: torch.Tensor, key_cache: torch.Ten
     q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(q)
     act = CODES[_KINDS[q.dtype]]
-    dll.kvs_decode_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+    dll.kvs_decode_attention(q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), None, None,
+                             block_tables.data_ptr(),
                              block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), act, B, H, Hkv, d, bs, scale,
                              CODES[_KINDS[key_cache.dtype]], act, torch.get_num_threads())
     return out
 
 
 _KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+@torch.compiler.disable
+def write_quantized(dll: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    slot_mapping: torch.Tensor, kind: str) -> None:
+    """Quantize x [T, Hkv, d] (float32/bfloat16, rows of each token contiguous) into the slots
+    ``slot_mapping`` [T] of codes [num_blocks, bs, Hkv, d] uint8 and scales [num_blocks, bs, Hkv]
+    float32: the same bits as :func:`kvserve.attention.kv_quant.quantize` + index_copy (tested)."""
+    T, Hkv, d = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == d and codes.is_contiguous() and scales.is_contiguous()
+    slot_mapping = slot_mapping.contiguous()
+    dll.kvq_write_quantized(x.data_ptr(), CODES[_KINDS[x.dtype]], x.stride(0), T, Hkv, d, slot_mapping.data_ptr(),
+                            codes.data_ptr(), scales.data_ptr(), CODES[kind], torch.get_num_threads())
 
 
 @torch.compiler.disable

@@ -42,8 +42,8 @@ static inline float round_to(float v, int code) { return code == 3 ? v : bf16_to
 
 static inline __attribute__((always_inline, optimize("fp-contract=off"))) void rope_row(
         const void *qkv, int64_t row, const float *c, const float *s, void *q_out, void *k_out, void *key_cache,
-        void *value_cache, int64_t t, int64_t slot, int H, int Hkv, int d, const int in, const int act,
-        const int cache_code) {
+        void *value_cache, float *k_scale, float *v_scale, int64_t t, int64_t slot, int H, int Hkv, int d,
+        const int in, const int act, const int cache_code) {
     const int half = d / 2;
     float rot[512];  /* one rotated head (d <= 512) */
     for (int h = 0; h < H + Hkv; h++) {
@@ -60,28 +60,38 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
         }
         if (k_out)
             for (int i = 0; i < d; i++) store(k_out, (t * Hkv + h - H) * (int64_t)d + i, rot[i], act);
-        if (key_cache)
+        if (key_cache && cache_code <= 2)
+            k_scale[slot * Hkv + h - H] = quantize_row(rot, d, cache_code,
+                                                       (uint8_t *)key_cache + (slot * Hkv + h - H) * (int64_t)d);
+        else if (key_cache)
             for (int i = 0; i < d; i++) store(key_cache, (slot * Hkv + h - H) * (int64_t)d + i, rot[i], cache_code);
     }
-    for (int h = 0; value_cache && h < Hkv; h++)
-        for (int i = 0; i < d; i++)
-            store(value_cache, (slot * Hkv + h) * d + i,
-                  round_to(load(qkv, row + (int64_t)(H + Hkv + h) * d + i, in), act), cache_code);
+    for (int h = 0; value_cache && h < Hkv; h++) {
+        for (int i = 0; i < d; i++) rot[i] = round_to(load(qkv, row + (int64_t)(H + Hkv + h) * d + i, in), act);
+        if (cache_code <= 2)
+            v_scale[slot * Hkv + h] = quantize_row(rot, d, cache_code, (uint8_t *)value_cache + (slot * Hkv + h) * d);
+        else
+            for (int i = 0; i < d; i++) store(value_cache, (slot * Hkv + h) * d + i, rot[i], cache_code);
+    }
 }
 
 /* Rotate-half RoPE of the first H + Hkv heads of each qkv row: queries to q_out [T, H, d], keys to
  * k_out [T, Hkv, d] (activation dtype `act`; NULL: not returned) and to key_cache at slot_mapping[t];
  * the V heads (qkv[:, (H + Hkv) d:]) to value_cache ([num_slots, Hkv, d] in cache_code 3 or 4; NULL
- * caches: not stored). qkv: [T, row_stride] elements in code `in` (read as the activation dtype would
+ * caches: not stored). cache_code 0/1/2 (int8, fp8 e4m3, fp8 e5m2): the caches hold 1-byte codes and
+ * each row's scale goes to k_scale / v_scale [num_slots, Hkv] (quantize_row: kv_quant.quantize of the
+ * row as the activation dtype holds it); float caches: scales unused (NULL). qkv: [T, row_stride] elements in code `in` (read as the activation dtype would
  * hold them); cos/sin: [max_positions, d/2] float32 tables.
  * o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin, each product rounded to the activation dtype. d <= 512. */
 #define ROPE_CASE(IN, ACT, CC) \
     if (in == IN && act == ACT && cache_code == CC) { \
-        rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, t, slot, H, Hkv, d, IN, ACT, CC); continue; }
+        rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, k_scale, v_scale, t, slot, H, Hkv, d, IN, ACT, \
+                 CC); continue; }
 __attribute__((optimize("fp-contract=off")))
 static void rope_team(const void *qkv, int in, int64_t row_stride, const int64_t *positions, const float *cos_t,
                       const float *sin_t, void *q_out, void *k_out, void *key_cache, void *value_cache,
-                      const int64_t *slot_mapping, int64_t T, int H, int Hkv, int d, int act, int cache_code) {
+                      float *k_scale, float *v_scale, const int64_t *slot_mapping, int64_t T, int H, int Hkv, int d,
+                      int act, int cache_code) {
     const int half = d / 2;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -89,16 +99,19 @@ static void rope_team(const void *qkv, int in, int64_t row_stride, const int64_t
         const int64_t row = t * row_stride, slot = slot_mapping[t];
         ROPE_CASE(4, 4, 4) ROPE_CASE(4, 4, 3) ROPE_CASE(3, 3, 3) ROPE_CASE(3, 3, 4)
         ROPE_CASE(4, 3, 3) ROPE_CASE(4, 3, 4) ROPE_CASE(3, 4, 4) ROPE_CASE(3, 4, 3)
+        ROPE_CASE(4, 4, 0) ROPE_CASE(3, 3, 0) ROPE_CASE(4, 3, 0)
+        rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, k_scale, v_scale, t, slot, H, Hkv, d, in, act,
+                 cache_code);
     }
 }
 
 void kvs_rope_write_kv(const void *qkv, int in, int64_t row_stride, const int64_t *positions, const float *cos_t,
                        const float *sin_t, void *q_out, void *k_out, void *key_cache, void *value_cache,
-                       const int64_t *slot_mapping, int64_t T, int H, int Hkv, int d, int act,
-                       int cache_code, int num_threads) {
+                       float *k_scale, float *v_scale, const int64_t *slot_mapping, int64_t T, int H, int Hkv, int d,
+                       int act, int cache_code, int num_threads) {
 #pragma omp parallel num_threads(num_threads) if (T >= 16)
-    rope_team(qkv, in, row_stride, positions, cos_t, sin_t, q_out, k_out, key_cache, value_cache, slot_mapping, T,
-              H, Hkv, d, act, cache_code);
+    rope_team(qkv, in, row_stride, positions, cos_t, sin_t, q_out, k_out, key_cache, value_cache, k_scale, v_scale,
+              slot_mapping, T, H, Hkv, d, act, cache_code);
 }
 
 static inline __attribute__((always_inline)) void rms_norm_row(
@@ -165,16 +178,18 @@ void kvs_silu_mul(const void *gu, int in, void *out, int out_code, int64_t T, in
 }
 
 /* kvq_decode_attention on q [B, H, d] in `act` (3 or 4), out [B, H, d] stored in out_code: the
- * float32 kernel with exact casts around it (out = the float32 result rounded to act, then cast). */
-void kvs_decode_attention(const void *q, const uint8_t *kc, const uint8_t *vc, const int64_t *block_tables,
-                          int64_t bt_stride, const int64_t *seq_lens, void *out, int out_code, int B, int H, int Hkv,
-                          int d, int bs, float scale, int cache_code, int act, int num_threads) {
+ * float32 kernel with exact casts around it (out = the float32 result rounded to act, then cast).
+ * ks, vs: a 1-byte cache's scales [num_slots, Hkv] (NULL for float caches). */
+void kvs_decode_attention(const void *q, const uint8_t *kc, const uint8_t *vc, const float *ks, const float *vs,
+                          const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens, void *out,
+                          int out_code, int B, int H, int Hkv, int d, int bs, float scale, int cache_code, int act,
+                          int num_threads) {
     const int64_t n = (int64_t)B * H * d;
     float *qf = act == 3 ? (float *)q : malloc(sizeof(float) * (size_t)n);
     float *of = out_code == 3 ? (float *)out : malloc(sizeof(float) * (size_t)n);
     if (act != 3)
         for (int64_t i = 0; i < n; i++) qf[i] = load(q, i, act);
-    kvq_decode_attention(qf, kc, vc, NULL, NULL, block_tables, bt_stride, seq_lens, of, B, H, Hkv, d, bs, scale,
+    kvq_decode_attention(qf, kc, vc, ks, vs, block_tables, bt_stride, seq_lens, of, B, H, Hkv, d, bs, scale,
                          cache_code, num_threads, act == 4);
     if (out_code != 3)
         for (int64_t i = 0; i < n; i++) store(out, i, round_to(of[i], act), out_code);
@@ -189,8 +204,9 @@ void kvs_decode_attention(const void *q, const uint8_t *kc, const uint8_t *vc, c
  * kvserve.models.llama_decode.LlamaDecodePlan's loop (norm, QKV, RoPE + KV write, attention, O, norm,
  * gate/up, SiLU, down), with barriers between them instead of a Python call, a fork and a join each.
  *
- * layers: [L, 8] pointers per layer: QKV, O, gate/up, down tiles; input and post-attention norm weights
- * (norm_code 3 or 4); key and value caches ([num_slots, Hkv, d] in cache_code 3 or 4). x: [B, n]
+ * layers: [L, 10] pointers per layer: QKV, O, gate/up, down tiles; input and post-attention norm weights
+ * (norm_code 3 or 4); key and value caches ([num_slots, Hkv, d] in cache_code 0-4); for 1-byte caches
+ * (codes 0-2) their K and V scales [num_slots, Hkv] (else 0). x: [B, n]
  * residual stream (act 3 or 4), updated in place; out: [B, n] final-norm hidden states (act).
  * Matmul inputs and outputs are bfloat16, as Int4Linear takes and returns them. */
 void kvs_llama_decode_int4(const int64_t *layers, int L, int norm_code, void *x, const int64_t *positions,
@@ -212,18 +228,20 @@ void kvs_llama_decode_int4(const int64_t *layers, int L, int norm_code, void *x,
     void *q = act == 3 ? (void *)qf : (void *)of;  /* RoPE's queries in the activation dtype */
 #pragma omp parallel num_threads(num_threads)
     for (int l = 0; l < L; l++) {
-        const int64_t *p = layers + 8 * l;
+        const int64_t *p = layers + 10 * l;
         const uint16_t *w_qkv = (const uint16_t *)p[0], *w_o = (const uint16_t *)p[1];
         const uint16_t *w_gu = (const uint16_t *)p[2], *w_down = (const uint16_t *)p[3];
         void *kc = (void *)p[6], *vc = (void *)p[7];
+        float *ks = (float *)p[8], *vs = (float *)p[9];
         rms_norm_team(x, l ? delta : NULL, 4, (const void *)p[4], norm_code, eps, h, 4, B, n, act);
         kvs_int4_linear_team(h, B, n, w_qkv, W, qkv, 4, xsum);
-        rope_team(qkv, 4, W, positions, cos_t, sin_t, q, NULL, kc, vc, slot_mapping, B, H, Hkv, d, act, cache_code);
+        rope_team(qkv, 4, W, positions, cos_t, sin_t, q, NULL, kc, vc, ks, vs, slot_mapping, B, H, Hkv, d, act,
+                  cache_code);
         if (act != 3) {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < hd; i++) qf[i] = load(q, i, act);
         }
-        kvq_decode_attention_team(qf, kc, vc, NULL, NULL, block_tables, bt_stride, seq_lens, of, B, H, Hkv, d, bs,
+        kvq_decode_attention_team(qf, kc, vc, ks, vs, block_tables, bt_stride, seq_lens, of, B, H, Hkv, d, bs,
                                   scale, cache_code, chunk, first, part, act == 4);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < hd; i++) o[i] = float_to_bf16(round_to(of[i], act));

@@ -85,25 +85,39 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     k and v are None when ``need_kv`` is False (a decode-only step reads them back from the cache).
     """
     T, H, Hkv, d = qkv.shape[0], num_heads, num_kv_heads, head_dim
-    float_cache = isinstance(key_cache, torch.Tensor) and key_cache.dtype in ACT_CODES
-    dll = None
+    dll, caches = None, cache_args(key_cache, value_cache)
     if qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.dtype in ACT_CODES and qkv.device.type == "cpu" \
-            and d <= MAX_ROPE_HEAD_DIM:
-        dll = _kernel(cos, sin, *((key_cache, value_cache) if float_cache else ()))
+            and d <= MAX_ROPE_HEAD_DIM and caches is not None:
+        dll = _kernel(cos, sin)
     if dll is None:
         return rope_write_kv_reference(qkv, positions, cos, sin, key_cache, value_cache, slot_mapping, H, Hkv, d)
     q = torch.empty(T, H, d, dtype=qkv.dtype)
-    k = torch.empty(T, Hkv, d, dtype=qkv.dtype) if need_kv or not float_cache else None
-    caches = (key_cache.data_ptr(), value_cache.data_ptr(), ACT_CODES[key_cache.dtype]) if float_cache else (None, None, 3)
-    dll.kvs_rope_write_kv(qkv.data_ptr(), ACT_CODES[qkv.dtype], qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                          q.data_ptr(), None if k is None else k.data_ptr(), caches[0], caches[1],
-                          slot_mapping.data_ptr(), T, H, Hkv, d, ACT_CODES[qkv.dtype], caches[2], torch.get_num_threads())
+    k = torch.empty(T, Hkv, d, dtype=qkv.dtype) if need_kv else None
+    kc, vc, ks, vs, cc = caches
+    dll.kvs_rope_write_kv(qkv.data_ptr(), ACT_CODES[qkv.dtype], qkv.stride(0), positions.data_ptr(), cos.data_ptr(),
+                          sin.data_ptr(), q.data_ptr(), None if k is None else k.data_ptr(), kc, vc, ks, vs,
+                          slot_mapping.data_ptr(), T, H, Hkv, d, ACT_CODES[qkv.dtype], cc, torch.get_num_threads())
     if k is None:
         return q, None, None
-    v = qkv[:, (H + Hkv) * d:].view(T, Hkv, d)  # [T, Hkv, d]
-    if not float_cache:  # quantized cache: its own write path
-        write_kv(key_cache, value_cache, k, v, slot_mapping)
-    return q, k, v
+    return q, k, qkv[:, (H + Hkv) * d:].view(T, Hkv, d)  # v: [T, Hkv, d]
+
+
+def cache_args(key_cache, value_cache) -> tuple[int, int, int | None, int | None, int] | None:
+    """(K data, V data, K scales, V scales, cache code) pointers for the C kernels: a float32/bfloat16
+    cache tensor (no scales) or a QuantizedKVCache (codes + scales); None when the kernels cannot take it
+    (another dtype or device, not contiguous)."""
+    from kvserve.attention.kv_quant import QuantizedKVCache
+
+    if isinstance(key_cache, QuantizedKVCache):
+        parts = (key_cache.codes, value_cache.codes, key_cache.scale, value_cache.scale)
+        if all(t.device.type == "cpu" and t.is_contiguous() for t in parts):
+            return (parts[0].data_ptr(), parts[1].data_ptr(), parts[2].data_ptr(), parts[3].data_ptr(),
+                    kv_quant_kernel.CODES[key_cache.kind])
+        return None
+    if all(isinstance(c, torch.Tensor) and c.device.type == "cpu" and c.dtype in ACT_CODES and c.is_contiguous()
+           for c in (key_cache, value_cache)) and key_cache.dtype == value_cache.dtype:
+        return key_cache.data_ptr(), value_cache.data_ptr(), None, None, ACT_CODES[key_cache.dtype]
+    return None
 
 
 def rope_write_kv_reference(qkv, positions, cos, sin, key_cache, value_cache, slot_mapping, H, Hkv, d):

@@ -19,16 +19,18 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention import AttentionMetadata, kv_quant_kernel
-from kvserve.models.fused_ops import ACT_CODES, MAX_ROPE_HEAD_DIM
+from kvserve.models.fused_ops import ACT_CODES, MAX_ROPE_HEAD_DIM, cache_args
 from kvserve.models.quant import KERNEL_DTYPE, Int4Linear, PackedLinear
 
 
 class LlamaDecodePlan:
     """Built once per (model, KV caches) after the weights are final; call with a decode-only step.
 
-    ``plan(input_ids [B] int64, positions [B] int64, meta)`` → final-norm hidden states [B, hidden]."""
+    ``plan(input_ids [B] int64, positions [B] int64, meta)`` → final-norm hidden states [B, hidden].
+    KV caches: float32/bfloat16 tensors or QuantizedKVCache pairs (int8/fp8 codes + scales, written and
+    read by the same kernels as the module path)."""
 
-    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], dll):
+    def __init__(self, model, kv_caches: list[tuple], dll):
         cfg = model.config
         self.dll = dll
         self.model = model
@@ -41,14 +43,15 @@ class LlamaDecodePlan:
         self.caches = kv_caches  # kept alive: the plan holds their data pointers
         act = self.embed.dtype
         self.layers = []
-        for layer, (kc, vc) in zip(model.layers, kv_caches):
+        ptrs = [cache_args(kc, vc) for kc, vc in kv_caches]  # (K, V, K scales, V scales, code) per layer
+        for layer, (kc, vc, ks, vs, _) in zip(model.layers, ptrs):
             a, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
             self.layers.append((n1.weight.data_ptr(), ACT_CODES[n1.weight.dtype], a.qkv_proj.forward,
-                                _input_dtype(a.qkv_proj, act), kc.data_ptr(), vc.data_ptr(), a.o_proj.forward,
+                                _input_dtype(a.qkv_proj, act), kc, vc, ks, vs, a.o_proj.forward,
                                 _input_dtype(a.o_proj, act), n2.weight.data_ptr(), ACT_CODES[n2.weight.dtype],
                                 mlp.gate_up_proj.forward, _input_dtype(mlp.gate_up_proj, act), mlp.down_proj.forward,
                                 _input_dtype(mlp.down_proj, act)))
-        self.cache_code = ACT_CODES[kv_caches[0][0].dtype]
+        self.cache_code = ptrs[0][4]
         self.block_size = kv_caches[0][0].shape[1]
         # all four matrices of every layer int4 tiles without bias: the whole step is one C call
         self.int4_layers = None
@@ -62,8 +65,8 @@ class LlamaDecodePlan:
             self.one_call_rows = min(m.dense_min_tokens for ms in linears for m in ms)  # more rows: the dense copy
             self.int4_layers = torch.tensor(
                 [[m.packed.data_ptr() for m in ms] + [layer.input_layernorm.weight.data_ptr(),
-                 layer.post_attention_layernorm.weight.data_ptr(), kc.data_ptr(), vc.data_ptr()]
-                 for ms, layer, (kc, vc) in zip(linears, model.layers, kv_caches)], dtype=torch.int64)
+                 layer.post_attention_layernorm.weight.data_ptr(), kc, vc, ks or 0, vs or 0]
+                 for ms, layer, (kc, vc, ks, vs, _) in zip(linears, model.layers, ptrs)], dtype=torch.int64)
 
     @staticmethod
     def build(model, kv_caches) -> "LlamaDecodePlan | None":
@@ -71,11 +74,9 @@ class LlamaDecodePlan:
         dll = kv_quant_kernel.load()
         if dll is None or model.config.head_dim > MAX_ROPE_HEAD_DIM or model.embed_tokens.weight.dtype not in ACT_CODES:
             return None
-        for kc, vc in kv_caches:
-            for c in (kc, vc):
-                if not isinstance(c, torch.Tensor) or c.dtype not in ACT_CODES or not c.is_contiguous() \
-                        or c.device.type != "cpu":
-                    return None
+        codes = {None if (c := cache_args(kc, vc)) is None else c[4] for kc, vc in kv_caches}
+        if None in codes or len(codes) != 1:
+            return None
         norms = [model.norm] + [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         if any(n.weight.dtype not in ACT_CODES or not n.weight.is_contiguous() for n in norms):
             return None
@@ -112,16 +113,16 @@ class LlamaDecodePlan:
         cos, sin = self.cos.data_ptr(), self.sin.data_ptr()
         norm, rope, attend, silu = dll.kvs_add_rms_norm, dll.kvs_rope_write_kv, dll.kvs_decode_attention, dll.kvs_silu_mul
         delta = None  # the previous layer's MLP output, added to the stream by the next norm
-        for (nw, nwc, qkv_proj, qkv_in, kc, vc, o_proj, o_in, pw, pwc, gate_up_proj, gu_in, down_proj,
+        for (nw, nwc, qkv_proj, qkv_in, kc, vc, ks, vs, o_proj, o_in, pw, pwc, gate_up_proj, gu_in, down_proj,
              down_in) in self.layers:
             hp, hc = buf("h", qkv_in, n)
             norm(xp, None if delta is None else delta.data_ptr(), act if delta is None else ACT_CODES[delta.dtype],
                  nw, nwc, eps, hp, hc, B, n, act, nt)
             qkv = qkv_proj(bufs["h", qkv_in])  # [B, (H + 2 Hkv) d]
-            rope(qkv.data_ptr(), ACT_CODES[qkv.dtype], qkv.stride(0), pos, cos, sin, qp, None, kc, vc, slots, B, H,
-                 Hkv, d, act, cc, nt)
+            rope(qkv.data_ptr(), ACT_CODES[qkv.dtype], qkv.stride(0), pos, cos, sin, qp, None, kc, vc, ks, vs, slots,
+                 B, H, Hkv, d, act, cc, nt)
             op, oc = buf("o", o_in, H * d)
-            attend(qp, kc, vc, bt, bts, sl, op, oc, B, H, Hkv, d, self.block_size, self.scale, cc, act, nt)
+            attend(qp, kc, vc, ks, vs, bt, bts, sl, op, oc, B, H, Hkv, d, self.block_size, self.scale, cc, act, nt)
             a = o_proj(bufs["o", o_in])  # [B, hidden]
             hp, hc = buf("h", gu_in, n)
             norm(xp, a.data_ptr(), ACT_CODES[a.dtype], pw, pwc, eps, hp, hc, B, n, act, nt)
