@@ -18,6 +18,7 @@ class InvalidRequestError(ValueError):
 
 
 _MAX_LOGPROBS = 20
+_MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 _GREEDY_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32: sample greedily (as vLLM)
 _SEED_LIMIT = 2**63  # a 64-bit seed (seed + i for the i-th of n sequences stays below 2**64)
 
@@ -37,6 +38,9 @@ class SamplingParams:
     ``prompt_logprobs=k`` also returns, for every prompt token after the first, its logprob given
     the tokens before it and the top k (the first prompt token has none).
     ``seed`` makes sampling reproducible whatever else shares the batch.
+    ``logit_bias`` (OpenAI): ``{token_id: bias}``, each bias in [-100, 100] added to that token's logit
+    before every other processor (-100 in effect bans a token, 100 forces it); logprobs stay those of
+    the raw logits. The engine checks the ids against the vocabulary.
     """
 
     n: int = 1
@@ -58,6 +62,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     speculative: bool = True  # False: this request never uses speculative decoding
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,6 +108,17 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {t!r}",
                                           "stop_token_ids")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidRequestError(f"logit_bias must be a map of token id to bias, got {self.logit_bias!r}",
+                                          "logit_bias")
+            for t, b in self.logit_bias.items():
+                if not _is_int(t) or t < 0:
+                    raise InvalidRequestError(f"logit_bias keys must be non-negative token ids, got {t!r}",
+                                              "logit_bias")
+                if not _is_number(b) or not -_MAX_LOGIT_BIAS <= b <= _MAX_LOGIT_BIAS:
+                    raise InvalidRequestError(f"logit_bias values must be numbers in [-{_MAX_LOGIT_BIAS:g}, "
+                                              f"{_MAX_LOGIT_BIAS:g}], got {b!r} for token {t}", "logit_bias")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -137,8 +153,13 @@ def _int_at_least(name: str, value, low: int) -> None:
         raise InvalidRequestError(f"{name} must be >= {low}, got {value}", name)
 
 
+def _is_number(x) -> bool:
+    """A real number (int or float, not bool, not NaN)."""
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and x == x
+
+
 def _number_in(name: str, value, low: float, high: float, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    if not _is_number(value):
         raise InvalidRequestError(f"{name} must be a number, got {value!r}", name)
     bad_low = value <= low if low_open else value < low
     if bad_low or value > high:

@@ -119,6 +119,30 @@ def test_greedy_rows_with_a_penalty_or_logprobs_are_still_processed():
     assert Sampler()(tied, [row(SamplingParams(temperature=0.0)) for _ in range(2)]).token_ids == [1, 0]
 
 
+def test_logit_bias_hand_computed():
+    """OpenAI logit_bias: added to the logits before everything else; -100 bans, +100 forces; a row's
+    bias touches only that row; logprobs stay the raw ones; sampled rows obey it too."""
+    logits = torch.tensor([[2.0, 1.9, 0.0, -1.0], [2.0, 1.9, 0.0, -1.0]])
+    greedy = SamplingParams(temperature=0.0)
+    out = Sampler()(logits, [row(greedy.clone(logit_bias={0: -0.2})), row(greedy)])
+    assert out.token_ids == [1, 0]  # 2.0 - 0.2 = 1.8 < 1.9 in row 0 only
+    assert Sampler()(logits[:1], [row(greedy.clone(logit_bias={3: 3.5}))]).token_ids == [3]  # -1 + 3.5 = 2.5
+    lp = Sampler()(logits[:1], [row(greedy.clone(logit_bias={2: 100.0}, logprobs=1))]).logprobs[0]
+    assert lp.token_id == 2 and lp.top_token_ids == [0]  # logprobs of the raw logits
+    assert math.isclose(lp.logprob, 0.0 - math.log(sum(math.exp(v) for v in (2.0, 1.9, 0.0, -1.0))), rel_tol=1e-5)
+    hot = SamplingParams(temperature=1.0, logit_bias={0: -100.0, 1: -100.0, 2: -100.0})
+    assert all(Sampler()(logits[:1], [row(hot, seed=s)]).token_ids == [3] for s in range(20))
+
+
+@pytest.mark.parametrize("bias,needle", [({5: 101.0}, "101"), ({5: -100.5}, "-100.5"), ({-1: 1.0}, "-1"),
+                                         ({True: 1.0}, "True"), ({5: float("nan")}, "nan"), ({5: "1"}, "'1'"),
+                                         ([5], "[5]")])
+def test_logit_bias_validation_names_the_field(bias, needle):
+    with pytest.raises(ValueError, match="logit_bias") as e:
+        SamplingParams(logit_bias=bias)
+    assert e.value.param == "logit_bias" and needle in str(e.value)
+
+
 def test_bad_shape_raises():
     with pytest.raises(ValueError, match="num_rows"):
         Sampler()(torch.zeros(2, 5), [row()])

@@ -51,6 +51,24 @@ def test_completion_and_chat_with_openai_client(client):
     assert [m.id for m in models.data] == ["tiny-llama"]
 
 
+def test_logit_bias_through_the_openai_client(client):
+    """logit_bias from the openai client (JSON keys are strings): +100 on one token makes every greedy
+    token that token, on both endpoints (compared with the echoed text of that token repeated)."""
+    forced = 1234
+
+    def repeated(n: int) -> str:
+        return client.completions.create(model="tiny-llama", prompt=[forced] * n, max_tokens=0, echo=True).choices[0].text
+
+    r = client.completions.create(model="tiny-llama", prompt="Hello there", max_tokens=4, temperature=0,
+                                  logit_bias={str(forced): 100})
+    assert r.choices[0].text == repeated(4)
+    c = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=3, temperature=0.8, seed=1, logit_bias={str(forced): 100})
+    assert c.choices[0].message.content == repeated(3)
+    plain = client.completions.create(model="tiny-llama", prompt="Hello there", max_tokens=4, temperature=0)
+    assert plain.choices[0].text != r.choices[0].text  # the bias did something
+
+
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_stream_equals_non_stream_for_same_seed(client, kind):
     kw = dict(model="tiny-llama", max_tokens=20, temperature=0.9, top_p=0.9, seed=123)

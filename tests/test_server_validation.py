@@ -125,6 +125,11 @@ SAMPLING_CASES = [
      "stream_options.include_usage", ()),
     ("unknown_model", {"model": "no-such-model"}, "model", ("no-such-model",)),
     ("model_int", {"model": 7}, "model", ()),
+    ("logit_bias_101", {"logit_bias": {"5": 101}}, "logit_bias", ("101", "100")),
+    ("logit_bias_key_not_id", {"logit_bias": {"abc": 1}}, "logit_bias", ("abc",)),
+    ("logit_bias_negative_key", {"logit_bias": {"-5": 1}}, "logit_bias", ("-5",)),
+    ("logit_bias_id_eq_vocab", {"logit_bias": {str(VOCAB): 1}}, "logit_bias", (str(VOCAB),)),
+    ("logit_bias_list", {"logit_bias": [5]}, "logit_bias", ()),
 ]
 
 CASES = [Case(f"{name}-{'cmpl' if path == CMPL else 'chat'}", path, body,

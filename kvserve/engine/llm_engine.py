@@ -190,7 +190,8 @@ class LLMEngine:
             self.scheduler.add_request(req)
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        """InvalidRequestError unless the prompt is non-empty, in the vocabulary and fits with max_tokens.
+        """InvalidRequestError unless the prompt is non-empty, in the vocabulary and fits with max_tokens,
+        and every logit_bias id is in the vocabulary.
         Reads only immutable limits, so any thread may call it."""
         if not ids:
             raise InvalidRequestError("prompt must contain at least one token", "prompt")
@@ -198,6 +199,10 @@ class LLMEngine:
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary "
                                       f"[0, {self.vocab_size})", "prompt")
+        out_of_vocab = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if out_of_vocab:
+            raise InvalidRequestError(f"logit_bias token id {out_of_vocab[0]} is outside the vocabulary "
+                                      f"[0, {self.vocab_size})", "logit_bias")
         n, limit = len(ids), self.max_model_len
         if n >= limit:
             raise PromptTooLongError(f"prompt has {n} tokens but the context length (max_model_len) is "

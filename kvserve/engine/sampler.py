@@ -1,6 +1,6 @@
 """Logits processors and per-request seeded sampling for one batch of logits rows.
 
-Order (as in vLLM): min_tokens suppression → repetition penalty → presence/frequency penalties →
+Order (as in vLLM): logit_bias → min_tokens suppression → repetition penalty → presence/frequency penalties →
 greedy argmax, or temperature → top-k → top-p → min-p → exponential-race sampling with each row's
 own ``torch.Generator``. Logprobs are always those of the RAW logits, before any processor.
 """
@@ -61,7 +61,7 @@ class Sampler:
             # max's indices: the first maximum, as argmax, in 1/3 to 1/5 of argmax's time on the CPU
             return SamplerOutput(token_ids=logits.max(dim=-1).indices.tolist(), logprobs=[None] * len(rows))
         raw = logits.float()
-        processed = apply_penalties(apply_min_tokens(raw.clone(), rows), rows)
+        processed = apply_penalties(apply_min_tokens(apply_logit_bias(raw.clone(), rows), rows), rows)
         token_ids = torch.empty(len(rows), dtype=torch.long, device=raw.device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -80,10 +80,26 @@ def _plain_greedy(row: SamplingRow) -> bool:
     (an exact cast to float32 keeps the argmax and its lowest-id tie break)."""
     p = row.params
     return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and len(row.output_token_ids) >= p.min_tokens)
+            and p.frequency_penalty == 0.0 and not p.logit_bias and len(row.output_token_ids) >= p.min_tokens)
 
 
 # ---------------------------------------------------------------------------------------- processors
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Add each row's ``params.logit_bias`` ({token id: bias}, OpenAI) to its logits.
+
+    ``logits``: ``[num_rows, vocab]`` float32, modified in place and returned. Ids ≥ vocab are ignored
+    (the engine rejects them when the request arrives).
+    """
+    vocab_size = logits.shape[1]
+    for i, row in enumerate(rows):
+        bias = row.params.logit_bias
+        if bias:
+            ids = [t for t in bias if t < vocab_size]
+            if ids:
+                logits[i, ids] += torch.tensor([float(bias[t]) for t in ids], dtype=logits.dtype, device=logits.device)
+    return logits
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Set EOS and ``stop_token_ids`` to -inf in rows whose output is shorter than ``min_tokens``.
 

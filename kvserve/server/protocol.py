@@ -43,6 +43,7 @@ class _SamplingFields(_Strict):
     user: str | None = None
     cache_salt: str | None = None  # prefix-cache isolation: only requests with the same salt share blocks
     speculative: bool = True  # false: this request does not use the server's speculative decoding
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (a JSON key, so a string) -> bias
 
     def _common(self) -> dict:
         if self.n > MAX_N:
@@ -58,6 +59,14 @@ class _SamplingFields(_Strict):
                 out[name] = value
         if self.top_k is not None:
             out["top_k"] = 0 if self.top_k == -1 else self.top_k
+        if self.logit_bias:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if not key.isascii() or not key.isdigit():
+                    raise InvalidRequestError(f"logit_bias keys must be token ids (decimal strings), got {key!r}",
+                                              "logit_bias")
+                bias[int(key)] = value
+            out["logit_bias"] = bias
         return out
 
     @property

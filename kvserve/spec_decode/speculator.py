@@ -42,7 +42,7 @@ class Speculator:
         if (req.status != RequestStatus.RUNNING or req.spec_stats.disabled or not p.speculative
                 or req.num_computed_tokens != req.num_tokens - 1 or p.logprobs is not None
                 or p.prompt_logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty
-                or p.frequency_penalty or req.num_output_tokens < p.min_tokens):
+                or p.frequency_penalty or p.logit_bias or req.num_output_tokens < p.min_tokens):
             return 0
         room = min(req.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens) - 1
         return max(0, min(self.config.num_speculative_tokens, room))
