@@ -68,7 +68,21 @@ def test_bench_compare_llamacpp_without_the_extra_is_a_clear_error(monkeypatch, 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
     rc = main(["bench", "latency", "--model", "smollm2-135m", "--contexts", "32", "--compare", "llama.cpp"])
     err = capsys.readouterr().err
-    assert rc != 0 and "llama-cpp-python" in err and "pip install -e '.[bench]'" in err
+    assert rc != 0 and "llama-cpp-python" in err and "make setup-bench" in err
+
+
+def test_bench_compare_hf_without_accelerate_is_a_clear_error(monkeypatch, capsys):
+    """HF's GGUF loading needs accelerate (the 'hf' and 'test' extras): without it the flag fails at once,
+    naming the package and the make target that installs it."""
+    import importlib.util
+
+    from kvserve.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
+    rc = main(["bench", "latency", "--model", "smollm2-135m", "--contexts", "32", "--compare", "hf"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "accelerate" in err and "make setup-test" in err
 
 
 @pytest.mark.parametrize("peer", ["hf", "llama.cpp"])

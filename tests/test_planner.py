@@ -249,6 +249,21 @@ def test_probe_saves_and_local_loads(tmp_path, monkeypatch):
     assert math.isfinite(pr.measure_matmul(torch.float32, n=128, repeats=1))
 
 
+def test_plan_on_local_says_device_not_gpu(tmp_path, monkeypatch, capsys):
+    """`plan --hardware local` plans for this machine (a CPU here): its report speaks of the device,
+    and a GPU table entry's report of the GPU."""
+    from kvserve.cli import main
+    from kvserve.planner import probe as pr
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    pr.save_probe(pr.ProbeResult(2, 8e9, {"float32": 20e9}, {"float32": 100e9}, {"float32": 10e9}, 1e-3, 2e-4))
+    assert main(["plan", "--model", "smollm2-135m", "--hardware", "local"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per device" in out and "GPU" not in out
+    assert main(["plan", "--model", "smollm2-135m", "--hardware", "h100"]) == 0
+    assert "memory per GPU" in capsys.readouterr().out
+
+
 def test_explain_plumbing_on_a_tiny_model():
     from kvserve.llm import LLM
     from kvserve.planner import probe as pr

@@ -115,13 +115,13 @@ def cmd_bench_latency(a: argparse.Namespace) -> int:
 
     if a.compare == "hf" and importlib.util.find_spec("accelerate") is None:  # check before minutes of benchmarking
         raise ConfigError("--compare hf needs HF transformers' GGUF loading, which needs accelerate: "
-                          "pip install -e '.[hf]'")
+                          "`make setup-test` (or `.venv/bin/pip install -e '.[hf]'`)")
     if a.compare and (a.load_format == "dummy" or _is_dummy(a.model, a.load_format)):
         raise ConfigError(f"--compare {a.compare} needs real weights (a GGUF file or HF directory, "
                           f"llama.cpp: a GGUF file), not the dummy model {a.model!r}")
     if a.compare == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
-        raise ConfigError("--compare llama.cpp needs llama-cpp-python: pip install -e '.[bench]' "
-                          "(it compiles llama.cpp from source, about 6 minutes)")
+        raise ConfigError("--compare llama.cpp needs llama-cpp-python: `make setup-bench` "
+                          "(it compiles llama.cpp from source, about 6-15 minutes)")
 
     llm = build_llm(a)
     rep = run_latency_bench(llm, a.contexts, a.output_tokens, a.concurrency, a.concurrency_prompt_tokens,

@@ -10,13 +10,13 @@ from kvserve.models.catalog import ModelSource
 
 def load_llamacpp_peer(source: ModelSource, n_ctx: int, n_threads: int):
     """``llama_cpp.Llama`` on ``source``'s GGUF file with a context of ``n_ctx`` tokens. ConfigError when
-    llama-cpp-python is not installed (``pip install -e '.[bench]'`` compiles it, ~6 min) or the model
+    llama-cpp-python is not installed (``make setup-bench`` compiles it, 6-15 min) or the model
     is not a GGUF file."""
     try:
         from llama_cpp import Llama
     except ImportError as e:
-        raise ConfigError("--compare llama.cpp needs llama-cpp-python: pip install -e '.[bench]' "
-                          "(it compiles llama.cpp from source, about 6 minutes)") from e
+        raise ConfigError("--compare llama.cpp needs llama-cpp-python: `make setup-bench` "
+                          "(it compiles llama.cpp from source, about 6-15 minutes)") from e
     if source.kind != "gguf":
         raise ConfigError("--compare llama.cpp needs a GGUF model file, got a "
                           f"{source.kind} model ({source.name})")

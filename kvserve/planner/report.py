@@ -52,18 +52,19 @@ def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
     c = p.capacity
     e = p.efficiency
     pre_flops = sum(s.flops for s in p.prefill)
+    dev = "device" if hw.hardware_class == "local" else "GPU"  # local: this machine (a CPU here)
     lines = [
         f"kvserve plan — {shape.name} on {w.tp}× {hw.name}: weights {w.weight_dtype}, KV {w.kv_dtype}, "
         f"batch {w.batch}, {w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens",
-        f"  TTFT {p.ttft_ms:10.1f} ms   ({len(p.prefill)} prefill step(s), {pre_flops / 1e12:.1f} TFLOP per GPU, "
+        f"  TTFT {p.ttft_ms:10.1f} ms   ({len(p.prefill)} prefill step(s), {pre_flops / 1e12:.1f} TFLOP per {dev}, "
         f"{p.prefill[-1].bound}-bound)",
         f"  ITL  {p.itl_ms:10.2f} ms   (mean; {p.decode_first.time_s * 1e3:.2f} at the first token, "
         f"{p.decode_last.time_s * 1e3:.2f} at the last)",
         f"  E2E  {p.e2e_ms:10.1f} ms   = TTFT + {max(w.output_tokens - 1, 0)} × ITL"
         + (f" + {w.network_ms:g} ms network" if w.network_ms else ""),
-        f"  decode step at mean context {p.decode_mean.context_tokens / w.batch:,.0f} tokens, per GPU:",
+        f"  decode step at mean context {p.decode_mean.context_tokens / w.batch:,.0f} tokens, per {dev}:",
         *_term_rows(p.decode_mean),
-        f"  memory per GPU: weights {_gb(c.weight_bytes)} + KV {_gb(c.kv_bytes)} of {_gb(c.memory_bytes)} usable → "
+        f"  memory per {dev}: weights {_gb(c.weight_bytes)} + KV {_gb(c.kv_bytes)} of {_gb(c.memory_bytes)} usable → "
         f"{'fits' if c.fits else 'DOES NOT FIT'}; largest batch at this context: {c.max_batch}",
         f"  KV bytes per token {shape.kv_bytes_per_token(w.kv_dtype):,.0f} B; KV read passes weight read at "
         f"batch × context = {c.kv_exceeds_weights_tokens:,.0f} tokens",
