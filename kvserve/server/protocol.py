@@ -17,6 +17,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
+# OpenAI request fields that change what the answer must be and that kvserve cannot honour: a 400 naming
+# the field, never a plain-text answer that looks like success. Each maps to the values that are no-ops.
+# Other unknown fields are ignored, as vLLM does (clients send vendor extensions).
+_UNSUPPORTED = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,),
+}
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -46,6 +56,10 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (a JSON key, so a string) -> bias
 
     def _common(self) -> dict:
+        for name, value in (self.model_extra or {}).items():
+            if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
+                raise InvalidRequestError(f"{name} is not supported by this server (kvserve generates plain text "
+                                          f"only: no tool calls, structured output, audio or predicted outputs)", name)
         if self.n > MAX_N:
             raise InvalidRequestError(f"n must be <= {MAX_N}, got {self.n}", "n")
         out = {"n": self.n, "seed": self.seed, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
