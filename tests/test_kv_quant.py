@@ -102,6 +102,20 @@ def test_c_quantize_writes_the_bits_of_torch_quantize(kind, dtype):
     assert torch.equal(cache.scale.view(-1, Hkv)[slots], scale)
 
 
+def test_c_quantize_any_head_dim():
+    """The C write path holds one row per thread on the heap: a head_dim past any fixed buffer (4096)
+    gives torch's bits too (it overflowed a 1024-float stack buffer)."""
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        pytest.skip("no C compiler")
+    x = torch.randn(20, 2, 4096, generator=torch.Generator().manual_seed(1))
+    cache = QuantizedKVCache.zeros("int8", 5, 4, 2, 4096)
+    slots = torch.arange(20).flip(0)
+    kv_quant_kernel.write_quantized(dll, x, cache.codes, cache.scale, slots, "int8")
+    codes, scale = quantize(x, "int8")
+    assert torch.equal(cache.codes.view(-1, 2, 4096)[slots], codes) and torch.equal(cache.scale.view(-1, 2)[slots], scale)
+
+
 def _run(kind, num_heads, num_kv_heads, context_lens, query_lens, block_size=4, head_dim=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_blocks = 400

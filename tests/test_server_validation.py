@@ -128,6 +128,7 @@ SAMPLING_CASES = [
     ("logit_bias_101", {"logit_bias": {"5": 101}}, "logit_bias", ("101", "100")),
     ("logit_bias_key_not_id", {"logit_bias": {"abc": 1}}, "logit_bias", ("abc",)),
     ("logit_bias_negative_key", {"logit_bias": {"-5": 1}}, "logit_bias", ("-5",)),
+    ("logit_bias_leading_zero", {"logit_bias": {"005": 1, "5": 2}}, "logit_bias", ("005",)),  # aliases "5"
     ("logit_bias_id_eq_vocab", {"logit_bias": {str(VOCAB): 1}}, "logit_bias", (str(VOCAB),)),
     ("logit_bias_list", {"logit_bias": [5]}, "logit_bias", ()),
     # OpenAI fields kvserve cannot honour: an error, not a plain answer that looks like success

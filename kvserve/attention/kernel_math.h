@@ -51,7 +51,8 @@ static inline uint8_t float_to_fp8(float y, const int mbits, const int bias) {
     return (uint8_t)(sign | (rounded - ((uint32_t)(127 - bias) << mbits)));
 }
 
-/* A cache row's codes and scale, as kvserve.attention.kv_quant.quantize computes them (bit for bit):
+/* A cache row's codes and scale, as kvserve.attention.kv_quant.quantize computes them (bit for bit for
+ * finite x; a NaN is left out of max|x| here, where torch's scale would turn NaN):
  * scale = max(max|x| / QMAX, 1e-12), code = x / scale rounded (int8: to nearest even integer, clamped
  * to ±127; fp8: clamped to ±QMAX, then float_to_fp8). code: 0 int8, 1 fp8 e4m3 (QMAX 448), 2 fp8 e5m2
  * (QMAX 57344). x: [d] float32; out: [d] codes. */

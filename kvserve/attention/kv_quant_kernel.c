@@ -521,15 +521,19 @@ void kvq_decode_attention(const float *q, const uint8_t *kc, const uint8_t *vc, 
  * at slot_mapping[t], by quantize_row (= kv_quant.quantize, bit for bit). code: 0/1/2. */
 void kvq_write_quantized(const void *x, int in_code, int64_t row_stride, int64_t T, int Hkv, int d,
                          const int64_t *slot_mapping, uint8_t *codes, float *scales, int code, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (T >= 16)
-    for (int64_t t = 0; t < T; t++)
-        for (int h = 0; h < Hkv; h++) {
-            float row[1024];
-            const int64_t src = t * row_stride + (int64_t)h * d, dst = slot_mapping[t] * Hkv + h;
-            for (int i = 0; i < d; i++)
-                row[i] = in_code == 3 ? ((const float *)x)[src + i] : bf16_to_float(((const uint16_t *)x)[src + i]);
-            scales[dst] = quantize_row(row, d, code, codes + dst * d);
-        }
+#pragma omp parallel num_threads(num_threads) if (T >= 16)
+    {
+        float *row = malloc(sizeof(float) * (size_t)d);  /* one row, any head_dim */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            for (int h = 0; h < Hkv; h++) {
+                const int64_t src = t * row_stride + (int64_t)h * d, dst = slot_mapping[t] * Hkv + h;
+                for (int i = 0; i < d; i++)
+                    row[i] = in_code == 3 ? ((const float *)x)[src + i] : bf16_to_float(((const uint16_t *)x)[src + i]);
+                scales[dst] = quantize_row(row, d, code, codes + dst * d);
+            }
+        free(row);
+    }
 }
 
 /* Dequantize n rows of d codes: dst[r, :] = code_to_float(src[r, :]) * scales[r]. src: [n, d]; dst: [n, d]. */

@@ -76,9 +76,9 @@ class _SamplingFields(_Strict):
         if self.logit_bias:
             bias = {}
             for key, value in self.logit_bias.items():
-                if not key.isascii() or not key.isdigit():
-                    raise InvalidRequestError(f"logit_bias keys must be token ids (decimal strings), got {key!r}",
-                                              "logit_bias")
+                if not key.isascii() or not key.isdigit() or key != str(int(key)):  # "05" would alias "5"
+                    raise InvalidRequestError(f"logit_bias keys must be token ids (decimal strings without "
+                                              f"leading zeros), got {key!r}", "logit_bias")
                 bias[int(key)] = value
             out["logit_bias"] = bias
         return out
