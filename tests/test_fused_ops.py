@@ -25,11 +25,12 @@ def _close(got, ref, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 40])  # 40 rows: the threaded loop
-def test_rms_norm_matches_eager(dtype, rows):
+@pytest.mark.parametrize("n", [576, 37])  # 37: 16-lane loops with a tail
+def test_rms_norm_matches_eager(dtype, rows, n):
     g = torch.Generator().manual_seed(rows)
-    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
-    delta = torch.randn(rows, 576, generator=g).to(dtype)
-    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, n, generator=g).to(dtype)
+    w = (torch.rand(n, generator=g) + 0.5).to(dtype)
     ref = fused_ops.rms_norm_reference(x, w, 1e-5)
     out, stream = fused_ops.rms_norm(x, w, 1e-5)
     assert stream is x
@@ -75,10 +76,13 @@ def test_rms_norm_float32_weight_on_bfloat16_rows(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 33])
-def test_silu_mul_matches_eager(dtype, rows):
+@pytest.mark.parametrize("inter", [1536, 41])  # 41: 16-lane loops with a tail
+def test_silu_mul_matches_eager(dtype, rows, inter):
     g = torch.Generator().manual_seed(7)
-    gu = (torch.randn(rows, 2 * 1536, generator=g) * 6).to(dtype)
-    gu[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -1e-30, 20.0, -20.0]).to(dtype)  # tails of exp
+    gu = (torch.randn(rows, 2 * inter, generator=g) * 6).to(dtype)
+    special = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -1e-30, 20.0, -20.0, -86.9, -87.1]).to(dtype)  # exp's tails
+    gu[0, :10] = special
+    gu[-1, inter - 10:inter] = special  # in the scalar tail when inter % 16 != 0
     _close(fused_ops.silu_mul(gu), fused_ops.silu_mul_reference(gu), dtype)
 
 

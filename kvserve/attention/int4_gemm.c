@@ -46,11 +46,6 @@ static const uint16_t q_minus_8_lut[32] __attribute__((aligned(64))) = {
     0x40C0, 0x40E0, 0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040,
     0x4080, 0x40A0, 0x40C0, 0x40E0};
 
-/* 16 bfloat16 values (a record's scales at +128 or zeros at +144) as float32 */
-static inline __m512 bf16x16_to_ps(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 /* MB rows of x (bfloat16, row stride xs) times one tile of 16 weight rows: out[m][0..16) float32. */
 static inline __attribute__((always_inline)) void int4_tile(const uint16_t *rec, int G, const uint16_t *x, int64_t xs,
                                                             const float *xsum, float *out, const int MB) {

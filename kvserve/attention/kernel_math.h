@@ -35,6 +35,52 @@ static inline float exp_nonpos(float x) {
     return x < -87.f ? 0.f : p * bits_to_float(bits);
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 16 bfloat16 values as float32 (exact) */
+static inline __m512 bf16x16_to_ps(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* float_to_bf16 on 16 lanes, as 32-bit lanes (the bfloat16 bits in the low half) */
+static inline __m512i ps_to_bf16_epi32(__m512 v) {
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), odd), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+}
+
+/* v rounded to bfloat16 (round_to(v, 4) on 16 lanes), as float32 */
+static inline __m512 ps_round_bf16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(ps_to_bf16_epi32(v), 16)); }
+
+/* v rounded to bfloat16 and stored: 16 values at p */
+static inline void ps_store_bf16(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(ps_to_bf16_epi32(v)));
+}
+
+/* exp_nonpos on 16 lanes: the same operations in the same order */
+static inline __m512 exp_nonpos_ps(__m512 x) {
+    const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_NLT_UQ), y);  /* NaN: kept */
+}
+#endif
+
 /* One float (already divided by its scale and clamped to the format's range, finite) as a float8 code,
  * round to nearest even as torch's .to(float8_e4m3fn / float8_e5m2): mbits mantissa bits, exponent
  * bias `bias`. Subnormals (below 2^(1 - bias)) are multiples of 2^(1 - bias - mbits); a subnormal that

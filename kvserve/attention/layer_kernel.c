@@ -127,6 +127,37 @@ static inline __attribute__((always_inline)) void rms_norm_row(
         store(out, r + i, round_to(load(x, r + i, act) * inv * load(w, i, w_code), act), out_code);
 }
 
+#ifdef __AVX512F__
+/* rms_norm_row for a bfloat16 model (x, residual and out bfloat16; w bfloat16 or float32) on 16 lanes: the
+ * same roundings; the sum of squares in 16 partial sums (another float32 summation order). */
+static inline void rms_norm_row_bf16(uint16_t *x, const uint16_t *residual, const void *w, int w_code, float eps,
+                                     uint16_t *out, int n) {
+    __m512 ss = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = bf16x16_to_ps(x + i);
+        if (residual) {
+            v = ps_round_bf16(_mm512_add_ps(v, bf16x16_to_ps(residual + i)));
+            ps_store_bf16(x + i, v);
+        }
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    float tail = 0.f;
+    for (int j = i; j < n; j++) {
+        float v = bf16_to_float(x[j]);
+        if (residual) { v = round_to(v + bf16_to_float(residual[j]), 4); x[j] = float_to_bf16(v); }
+        tail += v * v;
+    }
+    const float inv = 1.f / sqrtf((_mm512_reduce_add_ps(ss) + tail) / (float)n + eps);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (i = 0; i + 16 <= n; i += 16) {
+        const __m512 wv = w_code == 3 ? _mm512_loadu_ps((const float *)w + i) : bf16x16_to_ps((const uint16_t *)w + i);
+        ps_store_bf16(out + i, _mm512_mul_ps(_mm512_mul_ps(bf16x16_to_ps(x + i), vinv), wv));
+    }
+    for (int j = i; j < n; j++) out[j] = float_to_bf16(bf16_to_float(x[j]) * inv * load(w, j, w_code));
+}
+#endif
+
 /* RMSNorm (Zhang & Sennrich 2019) of each row of x [T, n] (activation dtype `act`), optionally after
  * x += residual (residual in res_code; x is updated in place, rounded to the activation dtype, as eager
  * `x + residual` would be): out = x / sqrt(mean(x^2) + eps) * w, in float32, rounded to the activation
@@ -136,6 +167,13 @@ static void rms_norm_team(void *x, const void *residual, int res_code, const voi
                           void *out, int out_code, int64_t T, int n, int act) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
+#ifdef __AVX512F__
+        if (act == 4 && out_code == 4 && (!residual || res_code == 4)) {
+            rms_norm_row_bf16((uint16_t *)x + t * n, residual ? (const uint16_t *)residual + t * n : NULL, w, w_code,
+                              eps, (uint16_t *)out + t * n, n);
+            continue;
+        }
+#endif
         if (act == 4) rms_norm_row(x, residual, res_code, w, w_code, eps, out, out_code, t * n, n, 4);
         else rms_norm_row(x, residual, res_code, w, w_code, eps, out, out_code, t * n, n, 3);
     }
@@ -159,12 +197,40 @@ static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, c
     }
 }
 
+#ifdef __AVX512F__
+/* silu_mul_row of a bfloat16 model (bfloat16 in and out) on 16 lanes: the same operations and roundings */
+static inline void silu_mul_row_bf16(const uint16_t *gu, uint16_t *out, int64_t t, int I) {
+    const uint16_t *g_row = gu + t * 2 * (int64_t)I, *u_row = g_row + I;
+    uint16_t *o = out + t * (int64_t)I;
+    const __m512 one = _mm512_set1_ps(1.f);
+    int i = 0;
+    for (; i + 16 <= I; i += 16) {
+        const __m512 g = bf16x16_to_ps(g_row + i), u = bf16x16_to_ps(u_row + i);
+        const __m512 e = exp_nonpos_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+        const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, one);
+        const __m512 silu = ps_round_bf16(_mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(one, e))));
+        ps_store_bf16(o + i, _mm512_mul_ps(silu, u));
+    }
+    if (i < I) {  /* the rest one by one, as silu_mul_row */
+        for (int j = i; j < I; j++) {
+            const float g = bf16_to_float(g_row[j]), u = bf16_to_float(u_row[j]);
+            const float e = exp_nonpos(-fabsf(g));
+            const float sig = (g >= 0.f ? 1.f : e) / (1.f + e);
+            o[j] = float_to_bf16(round_to(g * sig, 4) * u);
+        }
+    }
+}
+#endif
+
 /* SwiGLU's elementwise part: out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g * sigmoid(g) rounded
  * to the activation dtype before the product (as eager F.silu(gate) * up). gu: [T, 2I] in code `in`;
  * out: [T, I] in out_code (the activation dtype's result, cast). */
 static void silu_mul_team(const void *gu, int in, void *out, int out_code, int64_t T, int I, int act) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {  /* the dtypes as constants, so the row loop vectorizes */
+#ifdef __AVX512F__
+        if (in == 4 && out_code == 4 && act == 4) { silu_mul_row_bf16(gu, out, t, I); continue; }
+#endif
         if (in == 4 && out_code == 4 && act == 4) silu_mul_row(gu, 4, out, 4, t, I, 4);
         else if (in == 3 && out_code == 3 && act == 3) silu_mul_row(gu, 3, out, 3, t, I, 3);
         else if (act == 4) silu_mul_row(gu, in, out, out_code, t, I, 4);
