@@ -28,16 +28,21 @@ last token's attention output against float32; times: one layer's K, 1 thread)::
 Per-vector halves the attention error for int8 and fp8_e4m3 at ~15% more write-time work (a few
 microseconds per token) and equal read speed (the fused kernel applies either scale once per token).
 
+Writes: on CPU the C quantizer (``quantize_row`` in ``kernel_math.h``: these functions' bits, tested on
+every rounding tie) runs inside the RoPE kernel and :func:`kv_quant_kernel.write_quantized`; the decode
+plan and the one-call int4 step (:mod:`kvserve.models.llama_decode`) take 1-byte caches like float ones.
+
 Attention: decode runs :func:`kvserve.attention.kv_quant_kernel.decode_attention` (gathers the
-blocks through the block table, converts bytes in registers, one pass over K and one over V); prefill
+blocks through the block table, converts 16 codes at a time in registers, one pass over K and one
+over V; fp8 through float16 conversion so subnormal codes never reach a float32 multiply); prefill
 gathers and dequantizes the sequence's blocks and uses the float attention. Every query, including a
 prompt's first chunk, attends to the *dequantized* cache, so the output does not depend on how the
 scheduler chunks a prompt or recomputes it after preemption. The plain reference is
 ``dequantize_cache`` followed by :func:`kvserve.attention.reference.reference_paged_attention`.
 
-Why a C kernel: one decode query over 4,096 tokens of one SmolLM2 layer (3 KV heads x 64), 1 thread,
-min of 40 (a busy 2-core machine, so ±20%): float32 cache gather + SDPA 1.0-1.2 ms; 1-byte cache with
-gather → dequantize (eager) → SDPA: int8 1.8-2.7 ms, fp8 17 ms (eager fp8 conversion is slow);
+Why a C kernel (first sitting's figures): one decode query over 4,096 tokens of one SmolLM2 layer (3 KV
+heads x 64), 1 thread, min of 40 (a busy 2-core machine, so ±20%): float32 cache gather + SDPA 1.0-1.2 ms;
+1-byte cache with gather → dequantize (eager) → SDPA: int8 1.8-2.7 ms, fp8 17 ms (eager fp8 conversion is slow);
 the same under ``torch.compile(dynamic=True)``: int8 1.0-1.1, fp8 1.3-1.5 ms (the float32 copy of K/V it
 still writes costs as much as the float32 gather); a compiled elementwise-multiply-and-sum attention
 2.0-3.2 ms; this kernel (no float copy of K/V) int8 0.50-0.60, fp8 0.55-0.66 ms. Without a C compiler
