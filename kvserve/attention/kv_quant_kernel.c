@@ -120,7 +120,8 @@ static inline void decode_row(const uint8_t *src, float *dst, int d, int code) {
     if (i < d) decode_row_scalar(src + i * es, dst + i, d - i, code);
 }
 
-/* The next block's scale lines of kv head h's column (1-byte caches; nothing for float caches) */
+/* The scale lines of the block at slot next_base, every KV head's (1-byte caches: scales [num_slots, Hkv];
+ * nothing for float caches or past the end) */
 static inline __attribute__((always_inline)) void prefetch_scales(const float *scales, int64_t next_base, int bs,
                                                                   int Hkv) {
     if (!scales || next_base < 0) return;
@@ -128,7 +129,8 @@ static inline __attribute__((always_inline)) void prefetch_scales(const float *s
     for (const char *a = p - ((uintptr_t)p & 63); a < e; a += 64) __builtin_prefetch(a, 0, 3);
 }
 
-/* The softmax-weighted sum of V over a chunk for float32/bfloat16 caches: acc[g, :] = Σ_t w[g, t] V[t, :],
+/* The softmax-weighted sum of V over a chunk: acc[g, :] = Σ_t w[g, t] s_t V[t, :] (s_t: the token's V scale,
+ * 1 for float caches),
  * one query row at a time so its d/16 accumulators stay in registers over the whole chunk (the chunk's V
  * rows come again from L1/L2 for each row). d is a multiple of 16, at most 256. */
 static inline __attribute__((always_inline)) void v_pass_float(
