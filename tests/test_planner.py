@@ -264,6 +264,31 @@ def test_plan_on_local_says_device_not_gpu(tmp_path, monkeypatch, capsys):
     assert "memory per GPU" in capsys.readouterr().out
 
 
+def test_plan_on_local_uses_the_rates_of_the_compute_dtype(tmp_path, monkeypatch, capsys):
+    """A plan on `local` takes the probe's bfloat16 rates for bf16/int4 weights and its float32 rates for
+    fp32 ones (the engine multiplies packed weights in bf16), plans the bundled model by default, and
+    takes the engine's dtype names. Hand-computed: SmolLM2's decode step at 1 token of context reads its
+    weight bytes at the GEMV rate of that dtype."""
+    from kvserve.cli import main
+    from kvserve.planner import probe as pr
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    pr.save_probe(pr.ProbeResult(2, 8e9, {"float32": 20e9, "bfloat16": 10e9}, {"float32": 1e11, "bfloat16": 4e11},
+                                 {"float32": 10e9, "bfloat16": 5e9}, 0.0, 0.0, dtype="float32"))
+    per_param = {}
+    for dt, rate in (("bfloat16", 10e9), ("fp32", 20e9), ("int4", 10e9)):
+        assert main(["plan", "--hardware", "local", "--weight-dtype", dt, "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["model"] == "smollm2-135m" and got["workload"]["weight_dtype"] == {"bfloat16": "bf16"}.get(dt, dt)
+        t = got["terms"]
+        assert t["weights_ms"] == pytest.approx(t["weight_bytes"] / rate * 1e3, rel=1e-9), dt
+        per_param[dt] = t["weight_bytes"]
+    assert per_param["fp32"] == pytest.approx(2 * per_param["bfloat16"]) and per_param["int4"] < per_param["bfloat16"] / 3
+    with pytest.raises(SystemExit):
+        main(["plan", "--hardware", "local", "--weight-dtype", "float64"])
+    assert "unknown dtype 'float64'" in capsys.readouterr().err
+
+
 def test_explain_plumbing_on_a_tiny_model():
     from kvserve.llm import LLM
     from kvserve.planner import probe as pr

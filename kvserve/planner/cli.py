@@ -13,20 +13,33 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def add_planner_parsers(sub) -> None:
+# the engine's dtype names (generate/bench/serve) as the planner's short ones
+_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+
+
+def _plan_dtype(text: str) -> str:
     from kvserve.planner.shapes import DTYPE_BYTES
 
-    dtypes = sorted(k for k in DTYPE_BYTES if len(k) <= 4)
+    name = _DTYPE_ALIASES.get(text, text)
+    if name not in DTYPE_BYTES or len(name) > 4:
+        known = sorted(k for k in DTYPE_BYTES if len(k) <= 4) + sorted(_DTYPE_ALIASES)
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; one of {', '.join(known)}")
+    return name
+
+
+def add_planner_parsers(sub) -> None:
     p = sub.add_parser("plan", help="predict TTFT, ITL and E2E of a model on hardware (roofline)")
-    p.add_argument("--model", default="llama-3-70b", help="table name, HF config.json / directory, or .gguf")
+    p.add_argument("--model", default=None, help="table name, HF config.json / directory, or .gguf (default "
+                   "llama-3-70b; on --hardware local the bundled smollm2-135m)")
     p.add_argument("--hardware", default="h100-sxm", help="a100-80gb-sxm, h100-sxm, h100-pcie, h200, b200, "
                    "mi300x, l40s, or local (after `kvserve probe`)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs")
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--output-tokens", type=int, default=250)
     p.add_argument("--batch", type=int, default=1, help="concurrent sequences decoding together")
-    p.add_argument("--weight-dtype", default="bf16", choices=dtypes)
-    p.add_argument("--kv-dtype", default="bf16", choices=dtypes)
+    p.add_argument("--weight-dtype", default="bf16", type=_plan_dtype,
+                   help="fp32|bf16|fp16|fp8|int8|int4 (or float32, bfloat16, fp8_e4m3 ...)")
+    p.add_argument("--kv-dtype", default="bf16", type=_plan_dtype, help="as --weight-dtype")
     p.add_argument("--chunk-tokens", type=int, default=0, help="prefill chunk (max_num_batched_tokens); 0 = one step")
     p.add_argument("--tokenize-ms", type=float, default=0.0, help="measured tokenization time to add")
     p.add_argument("--queue-ms", type=float, default=0.0, help="measured queueing time to add")
@@ -53,7 +66,9 @@ def add_planner_parsers(sub) -> None:
     e.set_defaults(func=cmd_explain)
 
     pr = sub.add_parser("probe", help="measure this machine's bandwidth, FLOP/s and engine overhead")
-    pr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype `local` plans with")
+    pr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="dtype `local` plans with where a plan does not choose (plan: float32 rates for fp32 "
+                         "weights, bfloat16 otherwise)")
     pr.add_argument("--no-engine", action="store_true", help="skip the engine overhead measurement")
     pr.add_argument("--output", default=None, help="JSON path (default $KVSERVE_CACHE_DIR/probe.json)")
     pr.set_defaults(func=cmd_probe)
@@ -64,9 +79,23 @@ def _resolve(a: argparse.Namespace):
     from kvserve.planner.hardware import efficiency_for, get_hardware
     from kvserve.planner.models import get_model
 
-    shape, hw = get_model(a.model), get_hardware(a.hardware)
+    local = a.hardware.lower() == "local"
+    if a.model is None:
+        a.model = "smollm2-135m" if local else "llama-3-70b"
+    shape = get_model(a.model)
     w = Workload(a.prompt_tokens, a.output_tokens, a.batch, a.tp, a.weight_dtype, a.kv_dtype, a.chunk_tokens,
                  a.tokenize_ms, a.queue_ms, a.network_ms).validate()
+    if local:  # this machine's rates for the dtype the engine would compute in (packed weights: bf16)
+        from dataclasses import replace
+
+        from kvserve.planner.probe import load_probe
+
+        probe = load_probe()
+        compute = "float32" if a.weight_dtype == "fp32" else "bfloat16"
+        if compute in probe.gemv_bytes_per_s and compute in probe.matmul_flops and compute in probe.kv_read_bytes_per_s:
+            probe = replace(probe, dtype=compute)
+        return shape, probe.hardware(), probe.efficiency(), w
+    hw = get_hardware(a.hardware)
     return shape, hw, efficiency_for(hw), w
 
 
