@@ -85,12 +85,19 @@ def _weight_kinds(eng) -> str:
     return "" if not kinds else " (matrices: " + ", ".join(f"{v} {k}" for k, v in kinds.items()) + ")"
 
 
+def kv_dtype_name(spec) -> str:
+    """The KV cache dtype as --kv-cache-dtype names it (fp8_e4m3, not float8_e4m3fn)."""
+    from kvserve.attention.kv_quant import kind_of_dtype
+
+    return kind_of_dtype(spec.dtype) or str(spec.dtype).removeprefix("torch.")
+
+
 def model_header(llm) -> str:
     eng = llm.engine
     cfg = eng.model_config
     return (f"  model {eng.model_name}: {cfg.num_layers} layers, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads "
             f"x {cfg.head_dim}, {str(eng.dtype).removeprefix('torch.')}{_weight_kinds(eng)}, weights {eng.weight_bytes_per_step / 1e6:.1f} MB "
-            f"read per step\n  KV cache {str(eng.kv_spec.dtype).removeprefix('torch.')}: "
+            f"read per step\n  KV cache {kv_dtype_name(eng.kv_spec)}: "
             f"{eng.kv_spec.bytes_per_token:,} B/token{' (incl. float32 scales)' if eng.kv_spec.is_quantized else ''}, "
             f"{eng.num_kv_blocks} blocks x {eng.kv_spec.block_size} tokens{_window_note(eng.kv_spec)}")
 

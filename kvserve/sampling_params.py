@@ -113,6 +113,9 @@ class SamplingParams:
                 raise InvalidRequestError(f"logit_bias must be a map of token id to bias, got {self.logit_bias!r}",
                                           "logit_bias")
             for t, b in self.logit_bias.items():
+                if isinstance(t, str):
+                    raise InvalidRequestError(f"logit_bias keys must be int token ids here (JSON's string keys are "
+                                              f"the HTTP API's form), got {t!r}", "logit_bias")
                 if not _is_int(t) or t < 0:
                     raise InvalidRequestError(f"logit_bias keys must be non-negative token ids, got {t!r}",
                                               "logit_bias")

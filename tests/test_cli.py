@@ -41,9 +41,10 @@ def test_chat_reads_stdin():
 def test_bench_latency_tables(tmp_path):
     out = tmp_path / "r.json"
     r = kvserve("bench", "latency", *TINY, "--contexts", "32,64", "--output-tokens", "4", "--concurrency", "1,2",
-                "--json", str(out))
+                "--json", str(out), "--kv-cache-dtype", "fp8_e4m3", "--weight-dtype", "int4")
     assert r.returncode == 0, r.stderr
     assert "plain read bandwidth" in r.stdout and "concurrency" in r.stdout
+    assert "(float32; matrices: 9 int4; KV fp8_e4m3)" in r.stdout  # what ran (2 layers x 4 + LM head), by flag names
     data = json.loads(out.read_text())
     assert [c["context_tokens"] for c in data["contexts"]] == [32, 64]
     assert data["contexts"][1]["decode_bytes_per_step"] > data["contexts"][0]["decode_bytes_per_step"]

@@ -70,6 +70,6 @@ def test_cli_eval_ppl_compare_weight_dtype(tmp_path):
 def test_cli_kv_cache_dtype_in_header_and_errors():
     r = kvserve("generate", "Hello", *TINY, "--max-tokens", "3", "--ignore-eos", "--raw", "--kv-cache-dtype", "fp8_e4m3")
     assert r.returncode == 0, r.stderr
-    assert "KV cache float8_e4m3fn: 160 B/token (incl. float32 scales)" in r.stderr  # K,V x 2 layers x 2 heads x (16 + 4)
+    assert "KV cache fp8_e4m3: 160 B/token (incl. float32 scales)" in r.stderr  # K,V x 2 layers x 2 heads x (16 + 4)
     r = kvserve("generate", "Hello", *TINY, "--kv-cache-dtype", "fp4")
     assert r.returncode == 2 and "--kv-cache-dtype" in r.stderr

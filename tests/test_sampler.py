@@ -136,7 +136,7 @@ def test_logit_bias_hand_computed():
 
 @pytest.mark.parametrize("bias,needle", [({5: 101.0}, "101"), ({5: -100.5}, "-100.5"), ({-1: 1.0}, "-1"),
                                          ({True: 1.0}, "True"), ({5: float("nan")}, "nan"), ({5: "1"}, "'1'"),
-                                         ([5], "[5]")])
+                                         ([5], "[5]"), ({"5": 1.0}, "int token ids")])
 def test_logit_bias_validation_names_the_field(bias, needle):
     with pytest.raises(ValueError, match="logit_bias") as e:
         SamplingParams(logit_bias=bias)

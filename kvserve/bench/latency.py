@@ -46,6 +46,7 @@ class LatencyReport:
     read_gb_per_s: float
     peer: str | None = None
     contexts: list[ContextResult] = field(default_factory=list)
+    setup: str = ""  # matrix storage and KV cache dtype, e.g. "matrices: 120 int4, 1 int8; KV int8"
     throughput: list[ThroughputResult] = field(default_factory=list)
 
 
@@ -95,7 +96,10 @@ def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency:
                       conc_prompt_tokens: int, conc_output_tokens: int, compare: str | None = None) -> LatencyReport:
     read_bw = measure_read_bandwidth()
     eng = llm.engine
-    report = LatencyReport(eng.model_name, str(eng.dtype).removeprefix("torch."), read_bw / 1e9)
+    from kvserve.cli import _weight_kinds, kv_dtype_name
+
+    report = LatencyReport(eng.model_name, str(eng.dtype).removeprefix("torch."), read_bw / 1e9,
+                           setup=f"{_weight_kinds(eng).strip().strip('()')}; KV {kv_dtype_name(eng.kv_spec)}".lstrip("; "))
     llm.generate([random_prompt(16, eng.vocab_size, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     for ctx in contexts:
         report.contexts.append(run_context(llm, ctx, output_tokens, read_bw))
@@ -130,7 +134,8 @@ def _add_peer(llm, report: LatencyReport, output_tokens: int, peer: str) -> None
 
 def format_report(rep: LatencyReport) -> str:
     peer = rep.peer or ""
-    lines = [f"kvserve bench latency — {rep.model} ({rep.dtype}); plain read bandwidth {rep.read_gb_per_s:.1f} GB/s",
+    setup = f"; {rep.setup}" if rep.setup else ""
+    lines = [f"kvserve bench latency — {rep.model} ({rep.dtype}{setup}); plain read bandwidth {rep.read_gb_per_s:.1f} GB/s",
              "", "batch 1" + (f" (ratios: kvserve ÷ {peer}, < 1 = kvserve faster)" if _has_peer(rep) else "") + ":",
              f"{'context':>8} {'TTFT ms':>9} {'ITL p50':>8} {'ITL p90':>8} {'MB/step':>8} {'GB/s':>6} {'% read':>7} "
              f"{'roofline ITL':>12}" + (f" {peer + ' TTFT':>14} {'ratio':>6} {peer + ' ITL':>13} {'ratio':>6}"
