@@ -76,24 +76,25 @@ def test_12_quantized_cache_stops_where_full_precision_stops(reference, kind):
 def test_12_int8_cache_on_the_fast_path_keeps_int4_answers():
     """The fastest setup (int4 matrices, bfloat16, int8 KV: the decode plan's one C call with codes and
     scales) against the same model with a bfloat16 cache: the bf16 answers, teacher-forced through the
-    int8 cache, keep mean |Δ logprob| under ~2x the measured 0.030 (more than float32's 0.013: the bf16
-    model's own roundings, and prefill attends in float32 over the dequantized cache where the bf16 cache
-    attends in bf16); greedy answers stop where the bf16 ones stop and never loop where they do not
-    (measured: 7/10 token-identical)."""
+    int8 cache, keep mean |Δ logprob| under ~2x the measured 0.026-0.030 (5 or 10 answers; more than
+    float32's 0.013: the bf16 model's own roundings, and prefill attends in float32 over the dequantized
+    cache where the bf16 cache attends in bf16); greedy answers stop where the bf16 ones stop and never
+    loop where they do not (measured: 4 of these 5 token-identical)."""
     kw = dict(progress=False, max_model_len=1024, weight_dtype="int4", dtype="bfloat16")
+    convs = CONVS[::2]  # 5 of the 10: the suite's time budget
     ref_llm = LLM(kv_cache_dtype="bfloat16", **kw)
-    ref_outs = ref_llm.chat(CONVS, GREEDY)
-    full = [ref_llm.encode_chat(c)[1] + o.outputs[0].token_ids for c, o in zip(CONVS, ref_outs)]
-    prompt_lens = [len(ref_llm.encode_chat(c)[1]) for c in CONVS]
+    ref_outs = ref_llm.chat(convs, GREEDY)
+    full = [ref_llm.encode_chat(c)[1] + o.outputs[0].token_ids for c, o in zip(convs, ref_outs)]
+    prompt_lens = [len(ref_llm.encode_chat(c)[1]) for c in convs]
     lp_ref = window_logprobs(ref_llm, full)
     del ref_llm
     llm = LLM(kv_cache_dtype="int8", **kw)
     mean, worst = _mean_abs_delta(window_logprobs(llm, full), lp_ref, prompt_lens)
     print(f"\nint4 + int8 KV: teacher-forced mean |Δ logprob| {mean:.4f}, max {worst:.3f}")
     assert mean < 0.06
-    outs = llm.chat(CONVS, GREEDY)
+    outs = llm.chat(convs, GREEDY)
     same = sum(r.outputs[0].token_ids == o.outputs[0].token_ids for r, o in zip(ref_outs, outs))
-    print(f"int4 + int8 KV: {same}/10 answers token-identical to the bf16 cache's")
+    print(f"int4 + int8 KV: {same}/{len(convs)} answers token-identical to the bf16 cache's")
     for r, o in zip(ref_outs, outs):
         rc, oc = r.outputs[0], o.outputs[0]
         if not _loops(rc.token_ids):
