@@ -60,6 +60,25 @@ def test_kernel_fp8_decoding_matches_torch_for_every_code(kind):
     assert torch.equal(got[finite], want[finite])
 
 
+def test_old_library_builds_are_pruned(tmp_path):
+    """Builds of other source versions unused for 7 days go; recent ones, the current one and other
+    files stay."""
+    import os
+    import time
+
+    now = time.time()
+    files = {name: tmp_path / name for name in ("kv_quant_kernel_old.so", "kv_quant_kernel_recent.so",
+                                                "kv_quant_kernel_current.so", "probe.json")}
+    for name, path in files.items():
+        path.write_bytes(b"x")
+        age = 0 if name == "kv_quant_kernel_recent.so" else 8 * 24 * 3600
+        os.utime(path, (now - age, now - age))
+    gone = kv_quant_kernel.prune_old_builds(tmp_path, keep=files["kv_quant_kernel_current.so"])
+    assert gone == [files["kv_quant_kernel_old.so"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kv_quant_kernel_current.so", "kv_quant_kernel_recent.so",
+                                                          "probe.json"]
+
+
 def _tie_rows(kind: str, d: int) -> torch.Tensor:
     """Rows whose first value is QMAX (so the scale is exactly 1 and x / scale = x) followed by every tie
     of the format (the midpoint of two neighbouring codes, both signs, subnormals included), -0.0 and 0."""

@@ -4,7 +4,8 @@ decode kernel (``kv_quant_kernel.c``), the per-layer glue of a step (``layer_ker
 :class:`kvserve.models.quant.Int4Linear` where the CPU has AVX512-BF16).
 
 Built with the system C compiler (``cc -O3 -march=native -fopenmp``) into ``~/.cache/kvserve`` under a
-name that hashes the source and flags, and called through ctypes on tensors' data pointers. Returns
+name that hashes the source and flags (a new build deletes other versions' builds unused for 7 days),
+and called through ctypes on tensors' data pointers. Returns
 None when no compiler is available (set ``KVSERVE_NO_KV_KERNEL=1`` to force that); callers then use
 the plain PyTorch path in :mod:`kvserve.attention.kv_quant`.
 """
@@ -16,6 +17,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -47,6 +49,7 @@ def load() -> ctypes.CDLL | None:
             os.replace(tmp, lib)  # atomic: concurrent processes never load a half-written file
         except (OSError, subprocess.SubprocessError):
             return None
+        prune_old_builds(cache, keep=lib)
     dll = ctypes.CDLL(str(lib))
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     dll.kvq_decode_attention.argtypes = [p, p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, i32, i32]
@@ -72,6 +75,26 @@ def load() -> ctypes.CDLL | None:
               dll.kvs_int4_linear, dll.kvs_llama_decode_int4):
         f.restype = None
     return dll
+
+
+STALE_BUILD_S = 7 * 24 * 3600
+
+
+def prune_old_builds(cache: Path, keep: Path, max_age_s: float = STALE_BUILD_S) -> list[Path]:
+    """Delete the library builds of other source versions in ``cache`` that nobody has read or written
+    for ``max_age_s`` (every source change builds a new ``kv_quant_kernel_<hash>.so``; without this they
+    pile up). A version still in use elsewhere has a recent access time, or is simply rebuilt. Returns
+    the deleted paths; errors (a file gone already, no permission) are ignored."""
+    now, gone = time.time(), []
+    for old in cache.glob("kv_quant_kernel_*.so"):
+        try:
+            st = old.stat()
+            if old != keep and now - max(st.st_atime, st.st_mtime) > max_age_s:
+                old.unlink()
+                gone.append(old)
+        except OSError:
+            continue
+    return gone
 
 
 @torch.compiler.disable  # ctypes on data pointers: opaque to torch.compile, run eagerly
