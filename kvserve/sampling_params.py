@@ -134,6 +134,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
 
+    @property
+    def processes_logits(self) -> bool:
+        """A processor changes the logits at every step (penalties, logit_bias); min_tokens, which acts
+        only on early steps, is not counted. The one list the sampler's greedy fast path and speculative
+        decoding (whose verification applies none) both read."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
+
     def clone(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 

@@ -43,6 +43,19 @@ def test_request_can_opt_out(plain):
     assert got == plain[:1] and llm.engine.scheduler.spec_stats.num_drafts == 0
 
 
+@pytest.mark.parametrize("changes", [dict(logit_bias={100: -2.0}), dict(repetition_penalty=1.3),
+                                     dict(presence_penalty=0.5), dict(frequency_penalty=0.5)])
+def test_requests_whose_logits_are_processed_do_not_speculate(changes):
+    """Verification applies no logits processor, so a request with penalties or a logit_bias decodes
+    plainly: the same tokens as without speculation, and no drafts."""
+    params = G.clone(max_tokens=24, **changes)
+    want = [o.outputs[0].token_ids for o in tiny_llm().generate(PROMPTS[:1], params)]
+    llm = tiny_llm(speculative_method="draft", draft_model="tiny-llama", draft_load_format="dummy")
+    got, _ = _run(llm, PROMPTS[:1], params)
+    assert got == want and llm.engine.scheduler.spec_stats.num_drafts == 0
+    assert SamplingParams(**changes).processes_logits and not SamplingParams().processes_logits
+
+
 def test_draft_equal_to_target_accepts_everything(plain):
     llm = tiny_llm(speculative_method="draft", draft_model="tiny-llama", draft_load_format="dummy",
                    num_speculative_tokens=4)

@@ -79,8 +79,7 @@ def _plain_greedy(row: SamplingRow) -> bool:
     """Greedy with nothing that changes the logits or asks for logprobs: the argmax of the raw logits
     (an exact cast to float32 keeps the argmax and its lowest-id tie break)."""
     p = row.params
-    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and not p.logit_bias and len(row.output_token_ids) >= p.min_tokens)
+    return p.greedy and p.logprobs is None and not p.processes_logits and len(row.output_token_ids) >= p.min_tokens
 
 
 # ---------------------------------------------------------------------------------------- processors

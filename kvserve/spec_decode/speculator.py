@@ -2,8 +2,8 @@
 
 A sequence speculates when it is decoding (one known token to compute), its request allows it
 (``SamplingParams.speculative``), and nothing it asked for depends on the position in a way the
-verifier does not model: no repetition/presence/frequency penalties, no logprobs, no pending
-``min_tokens``. It stops speculating after poor acceptance (``SpecDecodeConfig.min_acceptance_rate``).
+verifier does not model: no logits processor (``SamplingParams.processes_logits``: penalties,
+logit_bias), no logprobs, no pending ``min_tokens``. It stops speculating after poor acceptance (``SpecDecodeConfig.min_acceptance_rate``).
 """
 from __future__ import annotations
 
@@ -41,8 +41,7 @@ class Speculator:
         p = req.sampling_params
         if (req.status != RequestStatus.RUNNING or req.spec_stats.disabled or not p.speculative
                 or req.num_computed_tokens != req.num_tokens - 1 or p.logprobs is not None
-                or p.prompt_logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty
-                or p.frequency_penalty or p.logit_bias or req.num_output_tokens < p.min_tokens):
+                or p.prompt_logprobs is not None or p.processes_logits or req.num_output_tokens < p.min_tokens):
             return 0
         room = min(req.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens) - 1
         return max(0, min(self.config.num_speculative_tokens, room))
