@@ -8,6 +8,7 @@ import torch
 from kvserve.attention import AttentionMetadata, kv_quant_kernel
 from kvserve.attention.kv_quant import QuantizedKVCache
 from kvserve.models import fused_ops
+from kvserve.models.linear import gemv_kernel
 from kvserve.models.quant import int4_kernel
 from kvserve.models.rope import RotaryEmbedding
 
@@ -186,7 +187,8 @@ def test_rope_write_kv_without_kv_outputs_writes_the_same_cache(dtype):
     ("float32", "float32", False, "auto"), ("bfloat16", "bfloat16", False, "auto"), ("bfloat16", "int4", False, "auto"),
     ("bfloat16", "int8", False, "auto"), ("float32", "int4", False, "auto"), ("float32", "int8", True, "auto"),
     ("bfloat16", "int4", True, "auto"), ("float32", "float32", False, "int8"),
-    ("bfloat16", "bfloat16", False, "fp8_e4m3"), ("float32", "int8", True, "fp8_e5m2")])
+    ("bfloat16", "bfloat16", False, "fp8_e4m3"), ("float32", "int8", True, "fp8_e5m2"),
+    ("float32", "float32", True, "auto")])
 def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias, kv_dtype):
     """The flat decode loop (llama_decode.py) against the modules' forward: same tokens and the very same
     logprobs for a batch of decodes of different lengths (the plan runs the same kernels in the same order;
@@ -212,33 +214,38 @@ def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias, kv_
         outs = [o.outputs[0] for o in llm.generate(prompts, sp)]
         plans = [p for _, p in model._plans.values()]
         assert (len(plans) == 1 and isinstance(plans[0], LlamaDecodePlan)) if use_plan else not plans
-        if use_plan:  # int4 without bias: the whole step is one C call where kvserve's int4 kernel runs
-            one_call = weight_dtype == "int4" and not bias and int4_kernel() is not None
-            assert (plans[0].int4_layers is not None) == one_call
+        if use_plan:  # int4, or float32 weights of a float32 model, without bias: the whole step is one C call
+            one_call = not bias and ((weight_dtype == "int4" and int4_kernel() is not None)
+                                     or (weight_dtype == dtype == "float32" and gemv_kernel() is not None))
+            assert (plans[0].one_call_layers is not None) == one_call
         results.append(outs)
     for a, b in zip(*results):
         assert a.token_ids == b.token_ids
         assert [x.top_logprobs for x in a.logprobs] == [x.top_logprobs for x in b.logprobs]  # exact
 
 
-@pytest.mark.skipif(int4_kernel() is None, reason="kvserve's int4 kernel needs AVX512-BF16 and cc")
-@pytest.mark.parametrize("dtype,kv_dtype,lens", [
-    ("bfloat16", "auto", (1, 15, 16, 17, 33, 70) * 3),  # 18 rows: two AMX blocks where the int4 kernel has AMX
-    ("float32", "auto", (1, 15, 16, 17, 33, 70) * 3), ("float32", "bfloat16", (1, 15, 16, 17, 33, 70) * 3),
-    ("bfloat16", "auto", (300, 47)), ("float32", "auto", (300,)),  # long rows: several attention chunks
-    ("bfloat16", "int8", (1, 15, 16, 17, 33, 70) * 3), ("float32", "fp8_e4m3", (300, 47)),
-    ("bfloat16", "fp8_e5m2", (1, 17, 33))])
-def test_one_call_int4_decode_step_equals_the_flat_loop(dtype, kv_dtype, lens):
-    """kvs_llama_decode_int4 against the Python loop of the same kernels: identical hidden states for a
-    decode batch of uneven lengths (1 to 70 tokens: one to five KV blocks; or one or two long sequences
-    whose attention splits into several chunks) over several steps, and the same KV cache contents."""
+@pytest.mark.parametrize("dtype,weight_dtype,kv_dtype,lens", [
+    ("bfloat16", "int4", "auto", (1, 15, 16, 17, 33, 70) * 3),  # 18 rows: two AMX blocks where the kernel has AMX
+    ("float32", "int4", "auto", (1, 15, 16, 17, 33, 70) * 3), ("float32", "int4", "bfloat16", (1, 15, 16, 17, 33, 70) * 3),
+    ("bfloat16", "int4", "auto", (300, 47)), ("float32", "int4", "auto", (300,)),  # long rows: several attention chunks
+    ("bfloat16", "int4", "int8", (1, 15, 16, 17, 33, 70) * 3), ("float32", "int4", "fp8_e4m3", (300, 47)),
+    ("bfloat16", "int4", "fp8_e5m2", (1, 17, 33)),
+    ("float32", "float32", "auto", (1, 15, 16, 17, 33, 70) * 3), ("float32", "float32", "bfloat16", (300, 47)),
+    ("float32", "float32", "int8", (1, 17, 33, 70))])
+def test_one_call_decode_step_equals_the_flat_loop(dtype, weight_dtype, kv_dtype, lens):
+    """kvs_llama_decode (int4 tiles, or dense float32 matrices) against the Python loop of the same
+    kernels: identical hidden states for a decode batch of uneven lengths (1 to 70 tokens: one to five
+    KV blocks; or one or two long sequences whose attention splits into several chunks) over several
+    steps, and the same KV cache contents."""
+    if (int4_kernel() if weight_dtype == "int4" else gemv_kernel()) is None:
+        pytest.skip("kvserve's int4 kernel needs AVX512-BF16 and cc; the dense GEMV AVX-512 and cc")
     from kvserve import SamplingParams
     from tests.conftest import tiny_llm
 
     sp = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
     runs = []
     for one_call in (True, False):
-        llm = tiny_llm(dtype=dtype, weight_dtype="int4", kv_cache_dtype=kv_dtype, max_num_batched_tokens=256)
+        llm = tiny_llm(dtype=dtype, weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype, max_num_batched_tokens=256)
         model = llm.engine.runner.model
         g = torch.Generator().manual_seed(5)
         for name, p in model.named_parameters():  # dummy norms are all ones: make each layer's its own
@@ -249,12 +256,12 @@ def test_one_call_int4_decode_step_equals_the_flat_loop(dtype, kv_dtype, lens):
 
             def loop_only(kv_caches, orig=orig):
                 plan = orig(kv_caches)
-                plan.int4_layers = None
+                plan.one_call_layers = None
                 return plan
             model.decode_plan = loop_only
         outs = [o.outputs[0] for o in llm.generate([list(range(3, 3 + n)) for n in lens], sp)]
         plan = next(p for _, p in model._plans.values())
-        assert (plan.int4_layers is not None) == one_call
+        assert (plan.one_call_layers is not None) == one_call
         caches = [t.clone() for kv in llm.engine.runner.kv_caches for c in kv
                   for t in ((c,) if isinstance(c, torch.Tensor) else (c.codes, c.scale))]  # 1-byte: codes + scales
         runs.append((outs, caches))

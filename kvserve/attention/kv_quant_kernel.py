@@ -1,7 +1,9 @@
 """Loads the C kernels, compiled on first use into one library: the fused dequantize-and-attend
 decode kernel (``kv_quant_kernel.c``), the per-layer glue of a step (``layer_kernel.c``, used by
-:mod:`kvserve.models.fused_ops`) and the int4 weight matmul (``int4_gemm.c``, used by
-:class:`kvserve.models.quant.Int4Linear` where the CPU has AVX512-BF16).
+:mod:`kvserve.models.fused_ops`), the int4 weight matmul (``int4_gemm.c``, used by
+:class:`kvserve.models.quant.Int4Linear` where the CPU has AVX512-BF16) and the float32 matrix-vector
+product of decode steps (``dense_gemv.c``, used by :class:`kvserve.models.linear.Linear` where the CPU
+has AVX-512).
 
 Built with the system C compiler (``cc -O3 -march=native -fopenmp``) into ``~/.cache/kvserve`` under a
 name that hashes the source and flags (a new build deletes other versions' builds unused for 7 days),
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-_SRCS = [Path(__file__).with_name(n) for n in ("kv_quant_kernel.c", "layer_kernel.c", "int4_gemm.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("kv_quant_kernel.c", "layer_kernel.c", "int4_gemm.c", "dense_gemv.c")]
 # no -ffast-math: with GCC < 13 it would set flush-to-zero for the whole process when the library loads
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
           "-fno-signed-zeros", "-fassociative-math"]
@@ -64,15 +66,18 @@ def load() -> ctypes.CDLL | None:
     dll.kvs_decode_attention.argtypes = [p, p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, i32, f32, i32, i32,
                                          i32]
     dll.kvs_int4_linear.argtypes = [p, i64, i32, p, i32, p, i32, i32]
-    dll.kvs_llama_decode_int4.argtypes = [p, i32, i32, p, p, p, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, i32,
-                                          f32, f32, i32, i32, i32, i32]
+    dll.kvs_llama_decode.argtypes = [p, i32, i32, i32, p, p, p, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, i32,
+                                     f32, f32, i32, i32, i32, i32]
+    dll.kvs_dense_linear.argtypes = [p, i64, i32, p, i32, p, i32]
+    dll.kvs_dense_supported.argtypes = []
+    dll.kvs_dense_supported.restype = i32
     dll.kvs_int4_supported.argtypes = []
     dll.kvs_int4_supported.restype = i32
     dll.kvs_int4_amx_enable.argtypes = []
     dll.kvs_int4_amx_enable.restype = i32
     dll.amx = bool(dll.kvs_int4_amx_enable())  # AMX tile state granted: int4 steps of >= 4 rows use it
     for f in (dll.kvs_rope_write_kv, dll.kvs_add_rms_norm, dll.kvs_silu_mul, dll.kvs_decode_attention,
-              dll.kvs_int4_linear, dll.kvs_llama_decode_int4):
+              dll.kvs_int4_linear, dll.kvs_llama_decode, dll.kvs_dense_linear):
         f.restype = None
     return dll
 

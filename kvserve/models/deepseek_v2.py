@@ -23,6 +23,7 @@ from torch import nn
 from kvserve.attention import AttentionMetadata
 from kvserve.attention.mla import LatentCache, mla_attention, write_latent
 from kvserve.config import ModelConfig
+from kvserve.models.linear import Linear, linear
 from kvserve.models.llama import RMSNorm
 from kvserve.models.rope import RotaryEmbedding, apply_rope, yarn_mscale
 
@@ -50,15 +51,15 @@ class MLAttention(nn.Module):
         self.nope, self.rope, self.kv_lora_rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         h, H, r = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank
         self.q_lora_rank = r
-        self.q_proj = None if r else nn.Linear(h, H * cfg.head_dim, bias=False)
-        self.q_a_proj = nn.Linear(h, r, bias=cfg.attention_bias) if r else None
+        self.q_proj = None if r else Linear(h, H * cfg.head_dim, bias=False)
+        self.q_a_proj = Linear(h, r, bias=cfg.attention_bias) if r else None
         self.q_a_layernorm = RMSNorm(r, LORA_NORM_EPS) if r else None
-        self.q_b_proj = nn.Linear(r, H * cfg.head_dim, bias=False) if r else None
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope, bias=cfg.attention_bias)
+        self.q_b_proj = Linear(r, H * cfg.head_dim, bias=False) if r else None
+        self.kv_a_proj_with_mqa = Linear(h, self.kv_lora_rank + self.rope, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LORA_NORM_EPS)
         self.w_uk = nn.Parameter(torch.empty(H, self.nope, self.kv_lora_rank))  # kv_b_proj's k_nope rows
         self.w_uv = nn.Parameter(torch.empty(H, self.v_head_dim, self.kv_lora_rank))  # kv_b_proj's v rows
-        self.o_proj = nn.Linear(H * self.v_head_dim, h, bias=cfg.attention_bias)
+        self.o_proj = Linear(H * self.v_head_dim, h, bias=cfg.attention_bias)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank:
@@ -83,8 +84,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -211,7 +212,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DeepseekV2DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LatentCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -223,7 +224,7 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied
-            return F.linear(hidden, self.embed_tokens.weight).float()
+            return linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
     def _routed_experts(self) -> list[RoutedExperts]:

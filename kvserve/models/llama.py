@@ -15,6 +15,7 @@ from torch import nn
 from kvserve.attention import AttentionMetadata, paged_attention
 from kvserve.config import ModelConfig
 from kvserve.models.fused_ops import rms_norm, rms_norm_reference, rope_write_kv, silu_mul
+from kvserve.models.linear import Linear, linear
 from kvserve.models.llama_decode import LlamaDecodePlan
 from kvserve.models.rope import RotaryEmbedding
 
@@ -46,8 +47,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -64,8 +65,8 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
@@ -100,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.use_decode_plan = True  # decode-only steps as one flat loop of kernel calls (llama_decode.py)
         self._plans: dict[int, tuple[list[KVCache], LlamaDecodePlan | None]] = {}
 
@@ -132,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied
-            return F.linear(hidden, self.embed_tokens.weight).float()
+            return linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
     def weight_rows(self, hf_name: str) -> tuple[str | None, int | None]:

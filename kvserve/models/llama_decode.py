@@ -4,9 +4,10 @@ a captured CUDA graph.
 Per layer: RMSNorm, QKV matmul, RoPE + KV write, decode attention, O matmul, residual add + RMSNorm,
 gate/up matmul, SiLU·up, down matmul: nine calls, into buffers allocated once per step. When every
 matrix is int4 in kvserve's tile layout (no bias) and the step has fewer rows than the layers'
-``dense_min_tokens``, the whole loop is one C call (``kvs_llama_decode_int4`` in ``layer_kernel.c``):
-the same kernels in one parallel region, with barriers where the loop returns to Python (SmolLM2 int4
-batch 1: ~7 → ~4 ms). The kernels
+``dense_min_tokens``, or every matrix is a dense float32 :class:`kvserve.models.linear.Linear` of a
+float32 model and the step has at most ``GEMV_MAX_ROWS`` rows, the whole loop is one C call
+(``kvs_llama_decode`` in ``layer_kernel.c``): the same kernels in one parallel region, with barriers
+where the loop returns to Python (SmolLM2 int4 batch 1: ~7 → ~4 ms). The kernels
 are the ones :class:`kvserve.models.llama.LlamaForCausalLM`'s modules call (the matmuls through the
 modules' own ``forward``), in the same order, so the hidden states are bit-identical to the module
 path (tested); only Python's per-op work is gone. Between two matmuls that stream weights from memory,
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from kvserve.attention import AttentionMetadata, kv_quant_kernel
 from kvserve.models.fused_ops import ACT_CODES, MAX_ROPE_HEAD_DIM, cache_args
+from kvserve.models.linear import GEMV_MAX_ROWS, Linear, gemv_kernel
 from kvserve.models.quant import KERNEL_DTYPE, Int4Linear, PackedLinear
 
 
@@ -53,20 +55,31 @@ class LlamaDecodePlan:
                                 _input_dtype(mlp.down_proj, act)))
         self.cache_code = ptrs[0][4]
         self.block_size = kv_caches[0][0].shape[1]
-        # all four matrices of every layer int4 tiles without bias: the whole step is one C call
-        self.int4_layers = None
+        # all four matrices of every layer int4 tiles without bias, or dense float32 matrices of a float32
+        # model without bias: the whole step is one C call
+        self.one_call_layers, self.one_call_kind, self.one_call_rows = None, -1, 0
         norm_codes = {ACT_CODES[n.weight.dtype] for n in [model.norm] + [n for layer in model.layers
                       for n in (layer.input_layernorm, layer.post_attention_layernorm)]}
         linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                    for layer in model.layers]
-        if len(norm_codes) == 1 and all(isinstance(m, Int4Linear) and m.layout == "tiles" and m.bias is None
-                                        for ms in linears for m in ms):
-            self.norm_code = norm_codes.pop()
-            self.one_call_rows = min(m.dense_min_tokens for ms in linears for m in ms)  # more rows: the dense copy
-            self.int4_layers = torch.tensor(
-                [[m.packed.data_ptr() for m in ms] + [layer.input_layernorm.weight.data_ptr(),
-                 layer.post_attention_layernorm.weight.data_ptr(), kc, vc, ks or 0, vs or 0]
-                 for ms, layer, (kc, vc, ks, vs, _) in zip(linears, model.layers, ptrs)], dtype=torch.int64)
+        mats = [m for ms in linears for m in ms]
+        if len(norm_codes) == 1 and all(m.bias is None for m in mats):
+            if all(isinstance(m, Int4Linear) and m.layout == "tiles" for m in mats):
+                self.one_call_kind = 0
+                self.one_call_rows = min(m.dense_min_tokens for m in mats)  # more rows: the dense copy
+                weights = [[m.packed.data_ptr() for m in ms] for ms in linears]
+            elif (act == torch.float32 and gemv_kernel() is not None
+                  and all(isinstance(m, Linear) and m.weight.dtype == torch.float32 and m.weight.is_contiguous()
+                          for m in mats)):
+                self.one_call_kind = 1
+                self.one_call_rows = GEMV_MAX_ROWS + 1  # more rows: the modules run PyTorch's matmul
+                weights = [[m.weight.data_ptr() for m in ms] for ms in linears]
+            if self.one_call_kind >= 0:
+                self.norm_code = norm_codes.pop()
+                self.one_call_layers = torch.tensor(
+                    [w + [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                          kc, vc, ks or 0, vs or 0]
+                     for w, layer, (kc, vc, ks, vs, _) in zip(weights, model.layers, ptrs)], dtype=torch.int64)
 
     @staticmethod
     def build(model, kv_caches) -> "LlamaDecodePlan | None":
@@ -87,10 +100,11 @@ class LlamaDecodePlan:
         B = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)  # [B, hidden]: the residual stream, updated in place
         act, cc, nt = ACT_CODES[x.dtype], self.cache_code, torch.get_num_threads()
-        if self.int4_layers is not None and B < self.one_call_rows:  # the loop below, in one C call
+        if self.one_call_layers is not None and B < self.one_call_rows:  # the loop below, in one C call
             out = torch.empty_like(x)
             tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
-            dll.kvs_llama_decode_int4(self.int4_layers.data_ptr(), len(self.layers), self.norm_code, x.data_ptr(),
+            dll.kvs_llama_decode(self.one_call_layers.data_ptr(), len(self.layers), self.one_call_kind, self.norm_code,
+                                      x.data_ptr(),
                                       positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
                                       meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
                                       seq_lens.data_ptr(), self.final_norm.data_ptr(), out.data_ptr(), B, n, H, Hkv, d,

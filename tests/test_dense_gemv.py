@@ -1,0 +1,89 @@
+"""kvserve's float32 GEMV (dense_gemv.c, kvserve/models/linear.py) against a float64 matmul, its
+batch invariance, and which products reach it."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.models.linear import GEMV_MAX_ROWS, Linear, gemv_kernel, linear, uses_gemv
+
+needs_kernel = pytest.mark.skipif(gemv_kernel() is None, reason="the dense GEMV needs AVX-512 and cc")
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The worst-case rounding error of any float32 summation order of a K-term dot product:
+    K · 2^-24 · Σ|x_k w_k| (Higham, Accuracy and Stability of Numerical Algorithms, §3.1), plus the
+    rounding of the result."""
+    K = x.shape[-1]
+    mag = x.double().abs() @ w.double().abs().T
+    return (K + 1) * 2.0 ** -24 * mag + 1e-30
+
+
+@needs_kernel
+@pytest.mark.parametrize("K", [16, 17, 31, 64, 576, 1000])
+@pytest.mark.parametrize("N", [1, 3, 4, 5, 64, 257])
+def test_gemv_against_float64(K, N):
+    """Every row count of a decode step (1 .. GEMV_MAX_ROWS), widths with and without a 16-lane tail,
+    outputs with and without a partial block of 4 rows: within the float32 summation bound of the
+    float64 product."""
+    g = torch.Generator().manual_seed(K * 1000 + N)
+    w = torch.randn(N, K, generator=g)
+    for M in (1, 2, 3, 4, 5, 8, GEMV_MAX_ROWS):
+        x = torch.randn(M, K, generator=g)
+        assert uses_gemv(x, w)
+        y = linear(x, w)
+        assert y.shape == (M, N) and y.dtype == torch.float32
+        err = (y.double() - x.double() @ w.double().T).abs()
+        assert (err <= _bound(x, w)).all(), f"M={M}: max error {err.max().item():.3g}"
+
+
+@needs_kernel
+def test_gemv_rows_do_not_depend_on_the_batch():
+    """A row's product is the same bits alone and beside other rows (the summation order depends only on
+    K), and the same on one thread as on two."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(3072, 576, generator=g)
+    x = torch.randn(GEMV_MAX_ROWS, 576, generator=g)
+    batch = linear(x, w)
+    for i in (0, 1, 5, GEMV_MAX_ROWS - 1):
+        assert torch.equal(linear(x[i:i + 1], w), batch[i:i + 1])
+    assert torch.equal(linear(x[3:7], w), batch[3:7])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(linear(x, w), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_other_products_run_pytorch():
+    """More rows than a decode step, bfloat16, a transposed weight, or a gradient wanted: F.linear, bit for
+    bit."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 64, generator=g)
+    cases = [(torch.randn(GEMV_MAX_ROWS + 1, 64, generator=g), w),
+             (torch.randn(2, 64, generator=g).bfloat16(), w.bfloat16()),
+             (torch.randn(2, 40, generator=g), w.T),  # a [64, 40] view: not contiguous
+             (torch.randn(2, 64, generator=g), w.clone().requires_grad_())]
+    for x, wt in cases:
+        assert not uses_gemv(x, wt)
+        assert torch.equal(linear(x, wt), F.linear(x, wt))
+    x, wt = cases[-1]
+    y = linear(x, wt)
+    y.sum().backward()
+    assert wt.grad is not None and torch.allclose(wt.grad, x.sum(0).expand(40, 64))
+
+
+def test_linear_module_is_nn_linear():
+    """Same parameters and state dict as nn.Linear; the bias is added; its output equals F.linear within
+    the summation bound."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(48, 20)
+    mod = Linear(48, 20)
+    mod.load_state_dict(ref.state_dict())
+    assert isinstance(mod, torch.nn.Linear) and mod.state_dict().keys() == ref.state_dict().keys()
+    x = torch.randn(3, 48)
+    with torch.inference_mode():
+        y, want = mod(x), ref(x)
+    assert (y - want).abs().max().item() <= 1e-5
+    with torch.inference_mode():
+        assert torch.equal(mod(x), linear(x, mod.weight) + mod.bias)
