@@ -87,3 +87,29 @@ def test_linear_module_is_nn_linear():
     assert (y - want).abs().max().item() <= 1e-5
     with torch.inference_mode():
         assert torch.equal(mod(x), linear(x, mod.weight) + mod.bias)
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(17, 5), (64, 3), (352, 96), (1000, 257)])
+def test_int8_gemv_against_float64_and_torch(K, N):
+    """Int8Linear's decode rows on the GEMV: (Σ x·q)·s rounded to bfloat16, so within half a bfloat16 step
+    of |y| plus the float32 summation bound of the float64 product of the dequantized weights; and
+    within one bfloat16 step of torch._weight_int8pack_mm on the same codes (the same product, summed in
+    another order) where that kernel runs."""
+    from kvserve.models.quant import Int8Linear, int8_gemv
+    g = torch.Generator().manual_seed(K + N)
+    layer = Int8Linear(torch.randn(N, K, generator=g), dense_prefill=False)
+    w = layer.dequantize()
+    for M in (1, 2, 5, 11):
+        x = torch.randn(M, K, generator=g).bfloat16()
+        y = layer(x)  # bf16 rows below dense_min_tokens: the packed kernel
+        assert torch.equal(y, int8_gemv(x, layer.qweight, layer.scales))
+        ref = x.double() @ w.double().T
+        err = (y.double() - ref).abs()
+        assert (err <= ref.abs() * 2.0 ** -8 + _bound(x.float(), w)).all()
+        if K % 16:  # torch's kernel crashes there (kvserve keeps such matrices float: int8_packable)
+            continue
+        theirs = torch._weight_int8pack_mm(x, layer.qweight, layer.scales).double()
+        assert ((y.double() - theirs).abs() <= torch.maximum(y.double().abs(), theirs.abs()) * 2.0 ** -7 + 1e-6).all()
+    batch = int8_gemv(x, layer.qweight, layer.scales)
+    assert all(torch.equal(int8_gemv(x[i:i + 1], layer.qweight, layer.scales), batch[i:i + 1]) for i in range(len(x)))

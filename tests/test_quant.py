@@ -206,6 +206,31 @@ def test_shapes_the_int4_packing_cannot_take_stay_float():
     assert isinstance(model.a, nn.Linear) and isinstance(model.b, Int4Linear) and isinstance(model.c, nn.Linear)
 
 
+def test_shapes_torch_int8_kernel_cannot_take_stay_float():
+    """torch._weight_int8pack_mm crashes the process for input sizes that are not multiples of 16."""
+    from torch import nn
+
+    model = nn.Sequential()
+    model.a = nn.Linear(72, 16)  # 72 % 16 != 0
+    model.b = nn.Linear(64, 24)
+    assert quantize_model(model, "int8") == {"int4": 0, "int8": 1, "float": 1}
+    assert type(model.a) is nn.Linear and isinstance(model.b, Int8Linear)
+
+
+def test_int8_model_with_a_hidden_size_torch_cannot_take_generates():
+    """A whole model of such shapes under --weight-dtype int8 (its decode steps once went through torch's
+    int8 kernel and killed the process): the 72-wide inputs stay float, the 96-wide down matrices pack."""
+    from kvserve import SamplingParams
+    from kvserve.models.catalog import DUMMY_PRESETS
+    from tests.conftest import tiny_llm
+
+    cfg = DUMMY_PRESETS["tiny-llama"].replace(hidden_size=72, head_dim=18, intermediate_size=96)
+    llm = tiny_llm(weight_dtype="int8", dummy_config=cfg)
+    out = llm.generate([list(range(5, 45))], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 4
+    assert llm.engine.weight_kinds["int8"] > 0 and llm.engine.weight_kinds["float"] > 0
+
+
 @pytest.mark.parametrize("shape", [dict(hidden_size=72), dict(vocab_size=49150)], ids=["hidden72", "vocab49150"])
 def test_tied_lm_head_the_int4_packing_cannot_take_stays_float(shape):
     """A tied LM head (the embedding table) follows the same packing rule as every other matrix."""

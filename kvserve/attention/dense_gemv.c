@@ -1,48 +1,68 @@
-/* y = x·Wᵀ for a decode step's few rows x [M, K] and a float32 weight W [N, K] (row-major, as
- * nn.Linear stores it), float32 in and out.
+/* y = x·Wᵀ for a decode step's few rows x [M, K] and a row-major weight W [N, K]: float32 W with float32
+ * x and y (nn.Linear of a float32 model), or int8 W with one scale per output row, W[n] = q[n]·s[n], with
+ * bfloat16 x and y (kvserve.models.quant.Int8Linear, whose codes torch._weight_int8pack_mm reads).
  *
- * Why: at batch 1 a float32 decode step is ~120 matrix-vector products that each stream a matrix once.
- * Through PyTorch each is an MKL sgemv behind its own parallel region, fork and join, and a Python
- * call; in kvserve's one-call decode step (layer_kernel.c) they run inside one parallel region. The
- * weights stream at the speed of a plain read: each thread takes a contiguous range of output rows
- * (one sequential stream), four rows at a time, with the next four rows' lines prefetched.
+ * Why: at batch 1 a decode step is ~120 matrix-vector products that each stream a matrix once.
+ * Through PyTorch each is an MKL sgemv (or, from 2 rows, an sgemm that is slower still at a few rows)
+ * or an int8 pack matmul (SmolLM2's int8 LM head: 2.8 ms, 10 GB/s) behind its own parallel region and
+ * Python call; in kvserve's one-call decode step (layer_kernel.c) they run inside one parallel region.
+ * Here the weights stream at about the speed of a plain read: each thread takes a contiguous range of
+ * output rows (one sequential stream), four rows at a time, with the lines ~9 KB ahead prefetched.
  *
- * Arithmetic: y[m, n] = Σ_k x[m, k]·W[n, k] in float32: sixteen lane sums (lane i adds the products at
- * k ≡ i mod 16 in increasing k, fused multiply-adds), then the lanes added by _mm512_reduce_add_ps.
- * The order depends only on K, never on M or on the thread count, so a row's result is the same alone
- * or in a batch (batch invariance). It differs from MKL's sgemv only in summation order.
+ * Arithmetic: A[m, n] = Σ_k x[m, k]·q[n, k] in float32 (bfloat16 x and int8 codes convert exactly):
+ * sixteen lane sums (lane i adds the products at k ≡ i mod 16 in increasing k, fused multiply-adds),
+ * then the lanes added by _mm512_reduce_add_ps. float32: y = A. int8: y = A·s[n] rounded to bfloat16
+ * (nearest even). The order depends only on K, never on M or on the thread count, so a row's result is
+ * the same alone or in a batch (batch invariance). It differs from PyTorch's kernels only in the order
+ * of the sums.
  */
 #include <stdint.h>
 
-#define DENSE_ROWS 4 /* weight rows per block: four sequential streams, each prefetched one block ahead */
+#include "kernel_math.h"
 
-#if defined(__AVX512F__)
+#define DENSE_ROWS 4 /* weight rows per block: four sequential streams */
+#define DENSE_PREFETCH 9216 /* bytes ahead in each stream: one block of SmolLM2's float32 576-wide rows */
+
+enum { W_F32 = 3, W_I8 = 0 };  /* weight codes as the KV cache codes: 3 = float32, 0 = int8 */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
 int kvs_dense_supported(void) { return 1; }
 
-/* R (<= DENSE_ROWS) rows of W × MB (<= 4) rows of x: out[m * R + r] */
-static inline __attribute__((always_inline)) void dense_block(const float *w, const float *x, int64_t xs, int K,
-                                                             int R, int MB, int64_t pf, float *out) {
+/* 16 values from i on (the `live` lanes; others zero) as float32; code 3 = float32, 4 = bfloat16, 0 = int8 */
+static inline __attribute__((always_inline)) __m512 load16(const void *p, int64_t i, int code, __mmask16 live) {
+    if (code == 3) return _mm512_maskz_loadu_ps(live, (const float *)p + i);
+    if (code == 4)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, (const uint16_t *)p + i)), 16));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(live, (const int8_t *)p + i)));
+}
+
+/* R (<= DENSE_ROWS) rows of W × MB (<= 4) rows of x: the sums A in out[m * R + r]. pf: elements ahead to
+ * prefetch (0: none); es: bytes per weight */
+static inline __attribute__((always_inline)) void dense_block(const void *w, int wc, int es, const void *x, int xc,
+                                                             int64_t xs, int K, int R, int MB, int64_t pf,
+                                                             float *out) {
     __m512 acc[DENSE_ROWS][4];
     for (int r = 0; r < DENSE_ROWS; r++)
         for (int m = 0; m < 4; m++) acc[r][m] = _mm512_setzero_ps();
     int k = 0;
     for (; k + 16 <= K; k += 16) {
         __m512 xv[4];
-        for (int m = 0; m < MB; m++) xv[m] = _mm512_loadu_ps(x + m * xs + k);
+        for (int m = 0; m < MB; m++) xv[m] = load16(x, m * xs + k, xc, 0xffff);
         for (int r = 0; r < R; r++) {
-            if (pf) __builtin_prefetch(w + r * (int64_t)K + k + pf, 0, 3);
-            const __m512 wv = _mm512_loadu_ps(w + r * (int64_t)K + k);
+            if (pf && ((k * es) & 63) == 0) __builtin_prefetch((const char *)w + (r * (int64_t)K + k + pf) * es, 0, 3);
+            const __m512 wv = load16(w, r * (int64_t)K + k, wc, 0xffff);
             for (int m = 0; m < MB; m++) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
         }
     }
     if (k < K) {  /* the tail: lanes beyond K load as zero */
         const __mmask16 live = (__mmask16)((1u << (K - k)) - 1u);
         __m512 xv[4];
-        for (int m = 0; m < MB; m++) xv[m] = _mm512_maskz_loadu_ps(live, x + m * xs + k);
+        for (int m = 0; m < MB; m++) xv[m] = load16(x, m * xs + k, xc, live);
         for (int r = 0; r < R; r++) {
-            const __m512 wv = _mm512_maskz_loadu_ps(live, w + r * (int64_t)K + k);
+            const __m512 wv = load16(w, r * (int64_t)K + k, wc, live);
             for (int m = 0; m < MB; m++) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
         }
     }
@@ -50,43 +70,60 @@ static inline __attribute__((always_inline)) void dense_block(const float *w, co
         for (int r = 0; r < R; r++) out[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
+/* One block of weight rows for every row of x, with the codes as constants so the loops unroll. */
+static inline __attribute__((always_inline)) void dense_rows(const void *w, int wc, const uint16_t *scales,
+                                                            const void *x, int xc, int64_t M, int K, int N,
+                                                            int64_t n0, int64_t pf, void *y) {
+    const int es = wc == W_F32 ? 4 : 1, R = N - n0 < DENSE_ROWS ? (int)(N - n0) : DENSE_ROWS;
+    const void *wb = (const char *)w + n0 * K * es;
+    float out[4 * DENSE_ROWS];
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int MB = M - m0 < 4 ? (int)(M - m0) : 4;
+        const void *xb = (const char *)x + m0 * K * (xc == 3 ? 4 : 2);
+        const int64_t p = m0 ? 0 : pf;  /* prefetch while the first rows of x pass */
+        if (R < DENSE_ROWS) dense_block(wb, wc, es, xb, xc, K, K, R, MB, p, out);
+        else if (MB == 1) dense_block(wb, wc, es, xb, xc, K, K, DENSE_ROWS, 1, p, out);
+        else if (MB == 2) dense_block(wb, wc, es, xb, xc, K, K, DENSE_ROWS, 2, p, out);
+        else if (MB == 3) dense_block(wb, wc, es, xb, xc, K, K, DENSE_ROWS, 3, p, out);
+        else dense_block(wb, wc, es, xb, xc, K, K, DENSE_ROWS, 4, p, out);
+        for (int m = 0; m < MB; m++)
+            for (int r = 0; r < R; r++) {
+                const int64_t i = (m0 + m) * N + n0 + r;
+                if (wc == W_F32) ((float *)y)[i] = out[m * R + r];
+                else ((uint16_t *)y)[i] = float_to_bf16(out[m * R + r] * bf16_to_float(scales[n0 + r]));
+            }
+    }
+}
+
 /* The matmul, run by every thread of an enclosing parallel region (outside one: by the caller alone):
  * blocks of DENSE_ROWS weight rows split statically, so each thread streams one contiguous range.
- * x: [M, K] float32, w: [N, K] float32, y: [M, N] float32. Ends with a barrier. */
-void kvs_dense_linear_team(const float *x, int64_t M, int K, const float *w, int N, float *y) {
+ * w_code 3: x, w, y float32 (scales unused); w_code 0: w int8, scales [N] bfloat16, x and y bfloat16.
+ * x: [M, K], w: [N, K], y: [M, N]. Ends with a barrier. */
+void kvs_dense_linear_team(const void *x, int64_t M, int K, const void *w, int w_code, const uint16_t *scales, int N,
+                           void *y) {
     const int64_t blocks = (N + DENSE_ROWS - 1) / DENSE_ROWS;
+    const int es = w_code == W_F32 ? 4 : 1;
+    int64_t ahead = DENSE_PREFETCH / ((int64_t)DENSE_ROWS * K * es);  /* blocks */
+    if (ahead < 1) ahead = 1;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * DENSE_ROWS;
-        const int R = N - n0 < DENSE_ROWS ? (int)(N - n0) : DENSE_ROWS;
-        const int64_t pf = b + 1 < blocks ? (int64_t)DENSE_ROWS * K : 0;  /* the next block's rows */
-        const float *wb = w + n0 * K;
-        float out[4 * DENSE_ROWS];
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int MB = M - m0 < 4 ? (int)(M - m0) : 4;
-            /* R and MB as constants in the common cases so the loops unroll into registers */
-            const float *xb = x + m0 * K;
-            const int64_t pfb = m0 ? 0 : pf;  /* prefetch while the first rows of x pass */
-            if (R < DENSE_ROWS) dense_block(wb, xb, K, K, R, MB, pfb, out);
-            else if (MB == 1) dense_block(wb, xb, K, K, DENSE_ROWS, 1, pfb, out);
-            else if (MB == 2) dense_block(wb, xb, K, K, DENSE_ROWS, 2, pfb, out);
-            else if (MB == 3) dense_block(wb, xb, K, K, DENSE_ROWS, 3, pfb, out);
-            else dense_block(wb, xb, K, K, DENSE_ROWS, 4, pfb, out);
-            for (int m = 0; m < MB; m++)
-                for (int r = 0; r < R; r++) y[(m0 + m) * N + n0 + r] = out[m * R + r];
-        }
+        const int64_t pf = b + ahead < blocks ? ahead * DENSE_ROWS * K : 0;  /* same row, `ahead` blocks on */
+        if (w_code == W_F32) dense_rows(w, W_F32, scales, x, 3, M, K, N, b * DENSE_ROWS, pf, y);
+        else dense_rows(w, W_I8, scales, x, 4, M, K, N, b * DENSE_ROWS, pf, y);
     }
 }
 #else
 int kvs_dense_supported(void) { return 0; }
 
-void kvs_dense_linear_team(const float *x, int64_t M, int K, const float *w, int N, float *y) {
-    (void)x; (void)M; (void)K; (void)w; (void)N; (void)y;
+void kvs_dense_linear_team(const void *x, int64_t M, int K, const void *w, int w_code, const uint16_t *scales, int N,
+                           void *y) {
+    (void)x; (void)M; (void)K; (void)w; (void)w_code; (void)scales; (void)N; (void)y;
 }
 #endif
 
-/* y [M, N] = x [M, K] · Wᵀ, all float32 (see above), on num_threads threads. */
-void kvs_dense_linear(const float *x, int64_t M, int K, const float *w, int N, float *y, int num_threads) {
+/* y [M, N] = x [M, K] · Wᵀ as above, on num_threads threads. */
+void kvs_dense_linear(const void *x, int64_t M, int K, const void *w, int w_code, const uint16_t *scales, int N,
+                      void *y, int num_threads) {
 #pragma omp parallel num_threads(num_threads) if ((int64_t)N * K >= 65536)
-    kvs_dense_linear_team(x, M, K, w, N, y);
+    kvs_dense_linear_team(x, M, K, w, w_code, scales, N, y);
 }

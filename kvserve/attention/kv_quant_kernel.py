@@ -1,9 +1,9 @@
 """Loads the C kernels, compiled on first use into one library: the fused dequantize-and-attend
 decode kernel (``kv_quant_kernel.c``), the per-layer glue of a step (``layer_kernel.c``, used by
 :mod:`kvserve.models.fused_ops`), the int4 weight matmul (``int4_gemm.c``, used by
-:class:`kvserve.models.quant.Int4Linear` where the CPU has AVX512-BF16) and the float32 matrix-vector
-product of decode steps (``dense_gemv.c``, used by :class:`kvserve.models.linear.Linear` where the CPU
-has AVX-512).
+:class:`kvserve.models.quant.Int4Linear` where the CPU has AVX512-BF16) and the float32 and int8
+matrix-vector products of decode steps (``dense_gemv.c``, used by :class:`kvserve.models.linear.Linear`
+and :class:`kvserve.models.quant.Int8Linear` where the CPU has AVX-512).
 
 Built with the system C compiler (``cc -O3 -march=native -fopenmp``) into ``~/.cache/kvserve`` under a
 name that hashes the source and flags (a new build deletes other versions' builds unused for 7 days),
@@ -68,7 +68,7 @@ def load() -> ctypes.CDLL | None:
     dll.kvs_int4_linear.argtypes = [p, i64, i32, p, i32, p, i32, i32]
     dll.kvs_llama_decode.argtypes = [p, i32, i32, i32, p, p, p, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, i32,
                                      f32, f32, i32, i32, i32, i32]
-    dll.kvs_dense_linear.argtypes = [p, i64, i32, p, i32, p, i32]
+    dll.kvs_dense_linear.argtypes = [p, i64, i32, p, i32, p, i32, p, i32]
     dll.kvs_dense_supported.argtypes = []
     dll.kvs_dense_supported.restype = i32
     dll.kvs_int4_supported.argtypes = []

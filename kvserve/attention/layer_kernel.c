@@ -27,7 +27,8 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
                                int q_bf16);
 void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
                           float *xsum);
-void kvs_dense_linear_team(const float *x, int64_t M, int K, const float *w, int N, float *y);
+void kvs_dense_linear_team(const void *x, int64_t M, int K, const void *w, int w_code, const uint16_t *scales, int N,
+                           void *y);
 
 static inline float load(const void *p, int64_t i, int code) {
     return code == 3 ? ((const float *)p)[i] : bf16_to_float(((const uint16_t *)p)[i]);
@@ -270,7 +271,7 @@ void kvs_decode_attention(const void *q, const uint8_t *kc, const uint8_t *vc, c
  * weights (dense_gemv.c; x and y float32). */
 static void linear_team(int kind, const void *x, int64_t M, int K, const void *w, int N, void *y, float *xsum) {
     if (kind == 0) kvs_int4_linear_team((const uint16_t *)x, M, K, (const uint16_t *)w, N, y, 4, xsum);
-    else kvs_dense_linear_team((const float *)x, M, K, (const float *)w, N, (float *)y);
+    else kvs_dense_linear_team(x, M, K, w, 3, NULL, N, y);
 }
 
 /* One decode step of a Llama model whose four matrices per layer are int4 tiles (int4_gemm.c, kind 0) or

@@ -44,7 +44,8 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     M, K = x.shape
     N = weight.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)
-    gemv_kernel().kvs_dense_linear(x.data_ptr(), M, K, weight.data_ptr(), N, y.data_ptr(), torch.get_num_threads())
+    gemv_kernel().kvs_dense_linear(x.data_ptr(), M, K, weight.data_ptr(), 3, None, N, y.data_ptr(),
+                                   torch.get_num_threads())
     return y
 
 

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.models.linear import GEMV_MAX_ROWS, gemv_kernel
+
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32  # weights per scale: GGUF's block size
@@ -259,7 +261,9 @@ class Int4Linear(PackedLinear):
 
 class Int8Linear(PackedLinear):
     """W as int8 codes and one bfloat16 scale per output row: ``W[n] = q[n]·s[n]``,
-    ``s[n] = max|W[n]| / 127``. Kernel: ``torch._weight_int8pack_mm``."""
+    ``s[n] = max|W[n]| / 127``. Kernel: a decode step's rows (≤ ``GEMV_MAX_ROWS``) on kvserve's GEMV
+    (``kvs_dense_linear`` in ``dense_gemv.c``: ``(Σ x·q)·s`` in float32, rounded to bfloat16; SmolLM2's
+    int8 LM head 2.8 → ~1.3 ms at 1 row), otherwise ``torch._weight_int8pack_mm``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dense_prefill: bool = True):
         super().__init__()
@@ -278,7 +282,20 @@ class Int8Linear(PackedLinear):
         return self.qweight.float() * self.scales.float()[:, None]
 
     def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        if x2.shape[0] <= GEMV_MAX_ROWS and not torch.compiler.is_compiling() and gemv_kernel() is not None:
+            return int8_gemv(x2, self.qweight, self.scales)
         return torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+
+
+@torch.compiler.disable  # ctypes on data pointers: opaque to torch.compile, run eagerly
+def int8_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x2 [T, K] bfloat16 · (qweight [N, K] int8 · scales [N] bfloat16)ᵀ → [T, N] bfloat16 on kvserve's
+    GEMV: the float32 sum times the scale, rounded to nearest even."""
+    x2 = x2.contiguous()
+    y = torch.empty(x2.shape[0], qweight.shape[0], dtype=KERNEL_DTYPE)
+    gemv_kernel().kvs_dense_linear(x2.data_ptr(), x2.shape[0], x2.shape[1], qweight.data_ptr(), 0, scales.data_ptr(),
+                                   qweight.shape[0], y.data_ptr(), torch.get_num_threads())
+    return y
 
 
 def reference_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
@@ -340,6 +357,12 @@ def int4_packable(out_features: int, in_features: int) -> bool:
     return in_features % GROUP_SIZE == 0 and out_features % 16 == 0
 
 
+def int8_packable(in_features: int) -> bool:
+    """torch._weight_int8pack_mm (torch 2.13, CPU) crashes the process (segfault) when the input size is
+    not a multiple of 16; such matrices stay float."""
+    return in_features % 16 == 0
+
+
 def unpack_dense(model: nn.Module) -> int:
     """Turn the prepacked (opaque oneDNN) dense copies of ``model``'s packed layers back into plain
     bfloat16 tensors, for code that traces the model (torch.compile cannot lower mkldnn tensors).
@@ -358,8 +381,9 @@ def quantize_model(model: nn.Module, weight_dtype: str, sources: dict[str, Sourc
     ``weight_dtype``: 'int4', 'int8' or 'auto' (follow ``sources``: HF name → :class:`SourceQuant`,
     from a GGUF). Models name their fused rows with ``weight_rows(hf_name) -> (param, row offset)``;
     without it every int4 matrix is re-quantized from its float weights. int4 matrices whose input
-    size is not a multiple of 32, or output size not a multiple of 16 (the kernel's packing), stay
-    float. Returns a count of layers per kind.
+    size is not a multiple of 32, or output size not a multiple of 16 (the kernel's packing), and int8
+    matrices whose input size is not a multiple of 16 (:func:`int8_packable`), stay float. Returns a
+    count of layers per kind.
     """
     sources = sources or {}
     by_module = _module_sources(model, sources)
@@ -371,7 +395,8 @@ def quantize_model(model: nn.Module, weight_dtype: str, sources: dict[str, Sourc
         kinds = {src.type_name for _, src in parts}
         source = kinds.pop() if len(kinds) == 1 else None
         kind = _choose(weight_dtype, source)
-        if kind == "int4" and not int4_packable(mod.out_features, mod.in_features):
+        if (kind == "int4" and not int4_packable(mod.out_features, mod.in_features)) or \
+                (kind == "int8" and not int8_packable(mod.in_features)):
             kind = "float"
         counts[kind] += 1
         if kind != "float":
@@ -382,7 +407,8 @@ def quantize_model(model: nn.Module, weight_dtype: str, sources: dict[str, Sourc
     if getattr(model, "lm_head", "absent") is None and embed is not None:  # tied: the table is the LM head
         src = sources.get("model.embed_tokens.weight")
         kind = _choose(weight_dtype, src.type_name if src else None)
-        if kind == "int4" and not int4_packable(*embed.weight.shape):
+        if (kind == "int4" and not int4_packable(*embed.weight.shape)) or \
+                (kind == "int8" and not int8_packable(embed.weight.shape[1])):
             kind = "float"
         if kind != "float":
             model.lm_head = (Int8Linear(embed.weight) if kind == "int8" else
