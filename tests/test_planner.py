@@ -204,6 +204,18 @@ def test_planner_counts_the_engine_step_bytes():
         assert step.weight_bytes == pytest.approx(s.weight_bytes, rel=1e-3)  # norms (< 0.1 %) not counted
 
 
+def test_int4_bytes_per_weight_are_the_engines():
+    """The planner's int4 = kvserve's packed int4 matrix bytes ÷ weights: 4-bit codes + a bf16 scale and
+    zero per 32 weights = 0.5 + 4/32 = 0.625 (hand-computed)."""
+    import torch
+
+    from kvserve.models.quant import Int4Linear, quantize_int4_minmax
+    from kvserve.planner.shapes import dtype_bytes
+
+    layer = Int4Linear(quantize_int4_minmax(torch.randn(64, 96)), dense_prefill=False)
+    assert dtype_bytes("int4") == layer.weight_nbytes / (64 * 96) == 0.625
+
+
 # ---------------------------------------------------------------- CLI
 def test_plan_cli_json(capsys):
     from kvserve.cli import main

@@ -15,9 +15,11 @@ import torch
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.kv_cache.spec import KVCacheSpec
 
-# Bytes per element of a weight or KV dtype name. int4 = 0.5 (two weights per byte, scales ignored).
+# Bytes per element of a weight or KV dtype name. int4 = 0.625: 4-bit codes plus a 16-bit scale and zero
+# point per group of 32 weights (0.5 + 4/32), kvserve's Int4Linear and GGUF Q4_1 (Q4_0 is 0.5625, AWQ/GPTQ at
+# group 128 ~0.53). int8's per-row scale is < 0.5 % of a row and left out.
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2,
-                                 "float16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+                                 "float16": 2, "fp8": 1, "int8": 1, "int4": 0.625}
 # KV dtypes the engine's KVCacheSpec stores (1-byte caches may add per-head scales there).
 _TORCH_KV_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                     "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
