@@ -160,7 +160,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         reply = last.outputs[0].text
         lat = last.outputs[0].latency
-        print(f"  [TTFT {lat.ttft_ms:.0f} ms, {lat.num_output_tokens} tokens x ITL {lat.mean_itl_ms:.1f} ms, "
+        print(f"  [TTFT {lat.ttft_ms:.0f} ms, {len(lat.itl_ms)} tokens x ITL {lat.mean_itl_ms:.1f} ms, "
               f"E2E {lat.e2e_ms:.0f} ms]", file=sys.stderr)
         messages.append({"role": "assistant", "content": reply})
     return 0
