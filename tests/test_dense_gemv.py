@@ -113,3 +113,35 @@ def test_int8_gemv_against_float64_and_torch(K, N):
         assert ((y.double() - theirs).abs() <= torch.maximum(y.double().abs(), theirs.abs()) * 2.0 ** -7 + 1e-6).all()
     batch = int8_gemv(x, layer.qweight, layer.scales)
     assert all(torch.equal(int8_gemv(x[i:i + 1], layer.qweight, layer.scales), batch[i:i + 1]) for i in range(len(x)))
+
+
+def test_what_the_kernel_cannot_take_goes_to_pytorch():
+    """Found by attacking it: mismatched widths (read past each weight row), K = 0 (a division by zero),
+    meta and fake tensors (no data), a lazy negation bit, forward-mode AD and autocast all reach F.linear,
+    with its results and its errors."""
+    import torch.autograd.forward_ad as fwAD
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kvserve.models.quant import Int8Linear
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(37, 50, generator=g)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        linear(torch.randn(3, 49, generator=g), w)
+    with pytest.raises(RuntimeError):
+        Int8Linear(torch.randn(37, 64, generator=g), dense_prefill=False)(torch.randn(1, 48).bfloat16())
+    assert torch.equal(linear(torch.randn(3, 0), torch.randn(5, 0)), torch.zeros(3, 5))
+    with torch.device("meta"):
+        y = Linear(64, 32)(torch.empty(2, 64))
+    assert y.shape == (2, 32) and y.device.type == "meta"
+    with FakeTensorMode():
+        assert linear(torch.empty(2, 64), torch.empty(32, 64)).shape == (2, 32)
+    x = torch.randn(2, 50, generator=g)
+    neg = torch._neg_view(x)
+    assert not uses_gemv(neg, w) and torch.equal(linear(neg, w), F.linear(neg, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear(x, w).dtype == torch.bfloat16
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        tangent = fwAD.unpack_dual(linear(dual, w)).tangent
+    assert tangent is not None and torch.allclose(tangent, torch.ones(2, 50) @ w.T)

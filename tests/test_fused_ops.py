@@ -272,6 +272,31 @@ def test_one_call_decode_step_equals_the_flat_loop(dtype, weight_dtype, kv_dtype
     assert all(torch.equal(x, y) for x, y in zip(a_caches, b_caches))
 
 
+@pytest.mark.parametrize("weight_dtype", ["float32", "int4"])
+def test_decode_plan_follows_weights_given_new_storage(weight_dtype):
+    """The plan holds weight and norm data pointers; a parameter given new storage after the plan was
+    built (``p.data = new``) must be read from its new place: the same tokens and logprobs as the module
+    path. (Found by attacking it: the float32 one-call step read freed memory.)"""
+    from kvserve import SamplingParams
+    from tests.conftest import tiny_llm
+
+    sp = SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+    runs = []
+    for use_plan in (True, False):
+        llm = tiny_llm(weight_dtype=weight_dtype)
+        model = llm.engine.runner.model
+        model.use_decode_plan = use_plan
+        llm.generate([[5, 6, 7, 8]], sp)  # builds the plan
+        g = torch.Generator().manual_seed(8)
+        for name, p in model.named_parameters():
+            if name.endswith("proj.weight") or "layernorm" in name:
+                p.data = (p.data.float() + 0.05 * torch.randn(p.shape, generator=g)).to(p.dtype)
+        runs.append([o.outputs[0] for o in llm.generate([[9, 10, 11], [12, 13, 14, 15, 16]], sp)])
+    for a, b in zip(*runs):
+        assert a.token_ids == b.token_ids
+        assert [x.top_logprobs for x in a.logprobs] == [x.top_logprobs for x in b.logprobs]
+
+
 def test_rope_write_kv_head_dim_over_kernel_buffer_takes_reference_path():
     """head_dim > 512 (the kernel's per-head buffer) must not reach the kernel."""
     qkv, pos, rot, slots, (fast_c, ref_c), (H, Hkv, d) = _rope_case(torch.float32, torch.float32, T=2, H=2, Hkv=1, d=640)

@@ -14,7 +14,7 @@
  * then the lanes added by _mm512_reduce_add_ps. float32: y = A. int8: y = A·s[n] rounded to bfloat16
  * (nearest even). The order depends only on K, never on M or on the thread count, so a row's result is
  * the same alone or in a batch (batch invariance). It differs from PyTorch's kernels only in the order
- * of the sums.
+ * of the sums. K = 0 gives zeros.
  */
 #include <stdint.h>
 
@@ -103,7 +103,7 @@ void kvs_dense_linear_team(const void *x, int64_t M, int K, const void *w, int w
                            void *y) {
     const int64_t blocks = (N + DENSE_ROWS - 1) / DENSE_ROWS;
     const int es = w_code == W_F32 ? 4 : 1;
-    int64_t ahead = DENSE_PREFETCH / ((int64_t)DENSE_ROWS * K * es);  /* blocks */
+    int64_t ahead = K > 0 ? DENSE_PREFETCH / ((int64_t)DENSE_ROWS * K * es) : 1;  /* blocks */
     if (ahead < 1) ahead = 1;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {

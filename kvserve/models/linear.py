@@ -6,8 +6,10 @@ parallel region. ``kvs_dense_linear`` (``kvserve/attention/dense_gemv.c``) strea
 plain read's bandwidth, and :class:`kvserve.models.llama_decode.LlamaDecodePlan` runs a whole float32
 decode step as one call of it. Steps of more rows (prefill) keep PyTorch's matmul.
 
-Each row's result depends only on its input row and W, never on how many rows share the step: a
-request decodes the same bits alone and in a batch. Against MKL the sums differ only in order.
+Each row's result depends only on its input row and W, never on how many rows (up to
+``GEMV_MAX_ROWS``) share the step: a decode row gets the same bits alone and in a batch of up to 32.
+Steps of more rows (prefill chunks, bigger batches) run MKL, whose sums differ in order, so a request's
+bits can still change with what shares its prefill. Against MKL the sums differ only in order.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import functools
 
 import torch
 import torch.nn as nn
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 GEMV_MAX_ROWS = 32  # up to this many rows the kernel beats MKL on SmolLM2's matrices (2 cores: 1 row 23 vs
@@ -29,12 +32,24 @@ def gemv_kernel():
     return dll if dll is not None and dll.kvs_dense_supported() else None
 
 
+def _plain_cpu(t: torch.Tensor) -> bool:
+    """A CPU tensor with its values at its data pointer: no subclass (fake, functorch-wrapped) or
+    meta tensor, no lazy negation bit."""
+    return (type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and not t.is_neg()
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`linear` multiplies x [M, K] by weight [N, K] on the kernel: both float32,
-    contiguous, 1 ≤ M ≤ GEMV_MAX_ROWS, no gradient wanted, eager mode, kernel available."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and weight.is_contiguous()
+    """Whether :func:`linear` multiplies x [M, K] by weight [N, K] on the kernel: both float32 plain CPU
+    tensors, the weight contiguous, 1 ≤ M ≤ GEMV_MAX_ROWS, K ≥ 1 and the same in both, no gradient
+    (backward or forward mode) or autocast wanted, eager mode, kernel available. Anything else goes to
+    F.linear, which also raises its usual errors for mismatched shapes."""
+    return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
+            and x.shape[1] == weight.shape[1] > 0
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.is_contiguous()
+            and _plain_cpu(x) and _plain_cpu(weight)
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+            and fwAD._current_level < 0 and not torch.is_autocast_enabled("cpu")
             and not torch.compiler.is_compiling() and gemv_kernel() is not None)
 
 

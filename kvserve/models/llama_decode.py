@@ -26,7 +26,8 @@ from kvserve.models.quant import KERNEL_DTYPE, Int4Linear, PackedLinear
 
 
 class LlamaDecodePlan:
-    """Built once per (model, KV caches) after the weights are final; call with a decode-only step.
+    """Built once per (model, KV caches); call with a decode-only step. A weight or norm parameter
+    given new storage after that (``p.data = new``) makes the next call rebuild the plan.
 
     ``plan(input_ids [B] int64, positions [B] int64, meta)`` → final-norm hidden states [B, hidden].
     KV caches: float32/bfloat16 tensors or QuantizedKVCache pairs (int8/fp8 codes + scales, written and
@@ -58,6 +59,11 @@ class LlamaDecodePlan:
         # all four matrices of every layer int4 tiles without bias, or dense float32 matrices of a float32
         # model without bias: the whole step is one C call
         self.one_call_layers, self.one_call_kind, self.one_call_rows = None, -1, 0
+        # tensors whose data pointers the plan holds as integers: kept alive here, and compared on each
+        # call, so a parameter given new storage (``p.data = new``) rebuilds the plan instead of reading
+        # freed memory
+        self._pinned = [n.weight for layer in model.layers for n in (layer.input_layernorm,
+                                                                       layer.post_attention_layernorm)]
         norm_codes = {ACT_CODES[n.weight.dtype] for n in [model.norm] + [n for layer in model.layers
                       for n in (layer.input_layernorm, layer.post_attention_layernorm)]}
         linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -75,11 +81,14 @@ class LlamaDecodePlan:
                 self.one_call_rows = GEMV_MAX_ROWS + 1  # more rows: the modules run PyTorch's matmul
                 weights = [[m.weight.data_ptr() for m in ms] for ms in linears]
             if self.one_call_kind >= 0:
+                self._pinned += [m.packed if self.one_call_kind == 0 else m.weight for m in mats]
                 self.norm_code = norm_codes.pop()
                 self.one_call_layers = torch.tensor(
                     [w + [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                           kc, vc, ks or 0, vs or 0]
                      for w, layer, (kc, vc, ks, vs, _) in zip(weights, model.layers, ptrs)], dtype=torch.int64)
+
+        self._pinned_ptrs = [t.data_ptr() for t in self._pinned]
 
     @staticmethod
     def build(model, kv_caches) -> "LlamaDecodePlan | None":
@@ -96,6 +105,8 @@ class LlamaDecodePlan:
         return LlamaDecodePlan(model, kv_caches, dll)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if [t.data_ptr() for t in self._pinned] != self._pinned_ptrs:  # new weight storage: new pointers
+            self.__init__(self.model, self.caches, self.dll)
         dll, H, Hkv, d, n, inter, eps = self.dll, self.H, self.Hkv, self.d, self.hidden, self.inter, self.eps
         B = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)  # [B, hidden]: the residual stream, updated in place

@@ -282,7 +282,8 @@ class Int8Linear(PackedLinear):
         return self.qweight.float() * self.scales.float()[:, None]
 
     def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        if x2.shape[0] <= GEMV_MAX_ROWS and not torch.compiler.is_compiling() and gemv_kernel() is not None:
+        if (x2.shape[0] <= GEMV_MAX_ROWS and x2.shape[1] == self.in_features > 0 and not x2.is_neg()
+                and x2.device.type == "cpu" and not torch.compiler.is_compiling() and gemv_kernel() is not None):
             return int8_gemv(x2, self.qweight, self.scales)
         return torch._weight_int8pack_mm(x2, self.qweight, self.scales)
 
