@@ -216,6 +216,7 @@ def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias, kv_
         assert (len(plans) == 1 and isinstance(plans[0], LlamaDecodePlan)) if use_plan else not plans
         if use_plan:  # int4, or float32 weights of a float32 model, without bias: the whole step is one C call
             one_call = not bias and ((weight_dtype == "int4" and int4_kernel() is not None)
+                                     or (weight_dtype == "int8" and gemv_kernel() is not None)
                                      or (weight_dtype == dtype == "float32" and gemv_kernel() is not None))
             assert (plans[0].one_call_layers is not None) == one_call
         results.append(outs)
@@ -231,13 +232,14 @@ def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias, kv_
     ("bfloat16", "int4", "int8", (1, 15, 16, 17, 33, 70) * 3), ("float32", "int4", "fp8_e4m3", (300, 47)),
     ("bfloat16", "int4", "fp8_e5m2", (1, 17, 33)),
     ("float32", "float32", "auto", (1, 15, 16, 17, 33, 70) * 3), ("float32", "float32", "bfloat16", (300, 47)),
-    ("float32", "float32", "int8", (1, 17, 33, 70))])
+    ("float32", "float32", "int8", (1, 17, 33, 70)),
+    ("bfloat16", "int8", "auto", (1, 15, 16, 17, 33, 70)), ("float32", "int8", "fp8_e4m3", (300, 47))])
 def test_one_call_decode_step_equals_the_flat_loop(dtype, weight_dtype, kv_dtype, lens):
-    """kvs_llama_decode (int4 tiles, or dense float32 matrices) against the Python loop of the same
+    """kvs_llama_decode (int4 tiles, int8 rows, or dense float32 matrices) against the Python loop of the same
     kernels: identical hidden states for a decode batch of uneven lengths (1 to 70 tokens: one to five
     KV blocks; or one or two long sequences whose attention splits into several chunks) over several
     steps, and the same KV cache contents."""
-    if (int4_kernel() if weight_dtype == "int4" else gemv_kernel()) is None:
+    if (int4_kernel() if weight_dtype == "int4" else gemv_kernel()) is None:  # int8 and float32: the GEMV
         pytest.skip("kvserve's int4 kernel needs AVX512-BF16 and cc; the dense GEMV AVX-512 and cc")
     from kvserve import SamplingParams
     from tests.conftest import tiny_llm

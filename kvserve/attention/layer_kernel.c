@@ -268,30 +268,35 @@ void kvs_decode_attention(const void *q, const uint8_t *kc, const uint8_t *vc, c
 }
 
 /* The matmul of the one-call step: kind 0 = int4 tiles (int4_gemm.c; x and y bfloat16), 1 = dense float32
- * weights (dense_gemv.c; x and y float32). */
-static void linear_team(int kind, const void *x, int64_t M, int K, const void *w, int N, void *y, float *xsum) {
+ * weights (dense_gemv.c; x and y float32), 2 = int8 rows with bfloat16 scales (dense_gemv.c; x and y
+ * bfloat16). */
+static void linear_team(int kind, const void *x, int64_t M, int K, const void *w, const void *scales, int N, void *y,
+                        float *xsum) {
     if (kind == 0) kvs_int4_linear_team((const uint16_t *)x, M, K, (const uint16_t *)w, N, y, 4, xsum);
-    else kvs_dense_linear_team(x, M, K, w, 3, NULL, N, y);
+    else if (kind == 1) kvs_dense_linear_team(x, M, K, w, 3, NULL, N, y);
+    else kvs_dense_linear_team(x, M, K, w, 0, (const uint16_t *)scales, N, y);
 }
 
-/* One decode step of a Llama model whose four matrices per layer are int4 tiles (int4_gemm.c, kind 0) or
- * dense float32 matrices of a float32 model (dense_gemv.c, kind 1), inside a single parallel region: the
+/* One decode step of a Llama model whose four matrices per layer are int4 tiles (int4_gemm.c, kind 0),
+ * dense float32 matrices of a float32 model (dense_gemv.c, kind 1) or int8 rows with a scale each
+ * (dense_gemv.c, kind 2), inside a single parallel region: the
  * same calls, in the same order and with the same roundings, as
  * kvserve.models.llama_decode.LlamaDecodePlan's loop (norm, QKV, RoPE + KV write, attention, O, norm,
  * gate/up, SiLU, down), with barriers between them instead of a Python call, a fork and a join each.
  *
- * layers: [L, 10] pointers per layer: QKV, O, gate/up, down matrices; input and post-attention norm
+ * layers: [L, 14] pointers per layer: QKV, O, gate/up, down matrices; input and post-attention norm
  * weights (norm_code 3 or 4); key and value caches ([num_slots, Hkv, d] in cache_code 0-4); for 1-byte
- * caches (codes 0-2) their K and V scales [num_slots, Hkv] (else 0). x: [B, n] residual stream (act 3 or
- * 4), updated in place; out: [B, n] final-norm hidden states (act). Matmul inputs and outputs are
- * bfloat16 for int4 tiles, as Int4Linear takes and returns them, and float32 for dense ones (act 3). */
+ * caches (codes 0-2) their K and V scales [num_slots, Hkv] (else 0); for int8 matrices their row scales
+ * (bfloat16 [N]; else 0), in the matrices' order. x: [B, n] residual stream (act 3 or 4), updated in
+ * place; out: [B, n] final-norm hidden states (act). Matmul inputs and outputs are bfloat16 for int4 and
+ * int8, as Int4Linear and Int8Linear take and return them, and float32 for dense ones (act 3). */
 void kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void *x, const int64_t *positions,
                       const float *cos_t, const float *sin_t, const int64_t *slot_mapping,
                       const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
                       const void *final_norm, void *out, int B, int n, int H, int Hkv, int d, int I, float eps,
                       float scale, int bs, int act, int cache_code, int num_threads) {
     const int W = (H + 2 * Hkv) * d, Kmax = n > I ? (n > H * d ? n : H * d) : (I > H * d ? I : H * d);
-    const int mc = kind == 0 ? 4 : 3;  /* the matmuls' input and output dtype */
+    const int mc = kind == 1 ? 3 : 4;  /* the matmuls' input and output dtype */
     const size_t es = mc == 3 ? sizeof(float) : sizeof(uint16_t);
     const int64_t chunk = kvq_attention_chunk(seq_lens, B, bs, num_threads);
     int64_t *first = malloc(sizeof(int64_t) * (B + 1));
@@ -307,13 +312,13 @@ void kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, voi
     void *o_in = mc == 3 ? (void *)of : (void *)o;  /* float32 attention output: the O matmul's input as is */
 #pragma omp parallel num_threads(num_threads)
     for (int l = 0; l < L; l++) {
-        const int64_t *p = layers + 10 * l;
+        const int64_t *p = layers + 14 * l;
         const void *w_qkv = (const void *)p[0], *w_o = (const void *)p[1];
         const void *w_gu = (const void *)p[2], *w_down = (const void *)p[3];
         void *kc = (void *)p[6], *vc = (void *)p[7];
         float *ks = (float *)p[8], *vs = (float *)p[9];
         rms_norm_team(x, l ? delta : NULL, mc, (const void *)p[4], norm_code, eps, h, mc, B, n, act);
-        linear_team(kind, h, B, n, w_qkv, W, qkv, xsum);
+        linear_team(kind, h, B, n, w_qkv, (const void *)p[10], W, qkv, xsum);
         rope_team(qkv, mc, W, positions, cos_t, sin_t, q, NULL, kc, vc, ks, vs, slot_mapping, B, H, Hkv, d, act,
                   cache_code);
         if (act != 3) {
@@ -326,11 +331,11 @@ void kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, voi
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < hd; i++) ((uint16_t *)o)[i] = float_to_bf16(round_to(of[i], act));
         }
-        linear_team(kind, o_in, B, H * d, w_o, n, a, xsum);
+        linear_team(kind, o_in, B, H * d, w_o, (const void *)p[11], n, a, xsum);
         rms_norm_team(x, a, mc, (const void *)p[5], norm_code, eps, h, mc, B, n, act);
-        linear_team(kind, h, B, n, w_gu, 2 * I, gu, xsum);
+        linear_team(kind, h, B, n, w_gu, (const void *)p[12], 2 * I, gu, xsum);
         silu_mul_team(gu, mc, g, mc, B, I, act);
-        linear_team(kind, g, B, I, w_down, n, delta, xsum);
+        linear_team(kind, g, B, I, w_down, (const void *)p[13], n, delta, xsum);
     }
     rms_norm_team(x, delta, mc, final_norm, norm_code, eps, out, act, B, n, act);
     free(h);

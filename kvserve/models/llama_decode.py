@@ -4,8 +4,10 @@ a captured CUDA graph.
 Per layer: RMSNorm, QKV matmul, RoPE + KV write, decode attention, O matmul, residual add + RMSNorm,
 gate/up matmul, SiLU·up, down matmul: nine calls, into buffers allocated once per step. When every
 matrix is int4 in kvserve's tile layout (no bias) and the step has fewer rows than the layers'
-``dense_min_tokens``, or every matrix is a dense float32 :class:`kvserve.models.linear.Linear` of a
-float32 model and the step has at most ``GEMV_MAX_ROWS`` rows, the whole loop is one C call
+``dense_min_tokens``, or every matrix is int8 (:class:`kvserve.models.quant.Int8Linear`) and the step
+has fewer rows than both theirs and ``GEMV_MAX_ROWS`` + 1, or every matrix is a dense float32
+:class:`kvserve.models.linear.Linear` of a float32 model and the step has at most ``GEMV_MAX_ROWS``
+rows, the whole loop is one C call
 (``kvs_llama_decode`` in ``layer_kernel.c``): the same kernels in one parallel region, with barriers
 where the loop returns to Python (SmolLM2 int4 batch 1: ~7 → ~4 ms). The kernels
 are the ones :class:`kvserve.models.llama.LlamaForCausalLM`'s modules call (the matmuls through the
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from kvserve.attention import AttentionMetadata, kv_quant_kernel
 from kvserve.models.fused_ops import ACT_CODES, MAX_ROPE_HEAD_DIM, cache_args
 from kvserve.models.linear import GEMV_MAX_ROWS, Linear, gemv_kernel
-from kvserve.models.quant import KERNEL_DTYPE, Int4Linear, PackedLinear
+from kvserve.models.quant import KERNEL_DTYPE, Int4Linear, Int8Linear, PackedLinear
 
 
 class LlamaDecodePlan:
@@ -56,8 +58,8 @@ class LlamaDecodePlan:
                                 _input_dtype(mlp.down_proj, act)))
         self.cache_code = ptrs[0][4]
         self.block_size = kv_caches[0][0].shape[1]
-        # all four matrices of every layer int4 tiles without bias, or dense float32 matrices of a float32
-        # model without bias: the whole step is one C call
+        # all four matrices of every layer int4 tiles, int8 rows, or dense float32 matrices of a float32
+        # model, without bias: the whole step is one C call
         self.one_call_layers, self.one_call_kind, self.one_call_rows = None, -1, 0
         # tensors whose data pointers the plan holds as integers: kept alive here, and compared on each
         # call, so a parameter given new storage (``p.data = new``) rebuilds the plan instead of reading
@@ -80,13 +82,24 @@ class LlamaDecodePlan:
                 self.one_call_kind = 1
                 self.one_call_rows = GEMV_MAX_ROWS + 1  # more rows: the modules run PyTorch's matmul
                 weights = [[m.weight.data_ptr() for m in ms] for ms in linears]
+            elif gemv_kernel() is not None and all(isinstance(m, Int8Linear) for m in mats):
+                self.one_call_kind = 2
+                # more rows: torch's int8 kernel or the dense copy
+                self.one_call_rows = min(GEMV_MAX_ROWS + 1, *(m.dense_min_tokens for m in mats))
+                weights = [[m.qweight.data_ptr() for m in ms] for ms in linears]
+                scales = [[m.scales.data_ptr() for m in ms] for ms in linears]
             if self.one_call_kind >= 0:
-                self._pinned += [m.packed if self.one_call_kind == 0 else m.weight for m in mats]
+                if self.one_call_kind != 2:
+                    scales = [[0] * 4 for _ in linears]
+                for m in mats:
+                    self._pinned += ([m.packed] if self.one_call_kind == 0 else [m.weight] if self.one_call_kind == 1
+                                     else [m.qweight, m.scales])
                 self.norm_code = norm_codes.pop()
                 self.one_call_layers = torch.tensor(
                     [w + [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                          kc, vc, ks or 0, vs or 0]
-                     for w, layer, (kc, vc, ks, vs, _) in zip(weights, model.layers, ptrs)], dtype=torch.int64)
+                          kc, vc, ks or 0, vs or 0] + sc
+                     for w, sc, layer, (kc, vc, ks, vs, _) in zip(weights, scales, model.layers, ptrs)],
+                    dtype=torch.int64)
 
         self._pinned_ptrs = [t.data_ptr() for t in self._pinned]
 
