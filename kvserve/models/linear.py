@@ -16,8 +16,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn as nn
 import torch.autograd.forward_ad as fwAD
+import torch.nn as nn
 import torch.nn.functional as F
 
 GEMV_MAX_ROWS = 32  # up to this many rows the kernel beats MKL on SmolLM2's matrices (2 cores: 1 row 23 vs
@@ -32,7 +32,7 @@ def gemv_kernel():
     return dll if dll is not None and dll.kvs_dense_supported() else None
 
 
-def _plain_cpu(t: torch.Tensor) -> bool:
+def plain_cpu(t: torch.Tensor) -> bool:
     """A CPU tensor with its values at its data pointer: no subclass (fake, functorch-wrapped) or
     meta tensor, no lazy negation bit."""
     return (type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and not t.is_neg()
@@ -47,7 +47,7 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS
             and x.shape[1] == weight.shape[1] > 0
             and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.is_contiguous()
-            and _plain_cpu(x) and _plain_cpu(weight)
+            and plain_cpu(x) and plain_cpu(weight)
             and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
             and fwAD._current_level < 0 and not torch.is_autocast_enabled("cpu")
             and not torch.compiler.is_compiling() and gemv_kernel() is not None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.attention import AttentionMetadata, paged_attention

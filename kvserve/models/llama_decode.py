@@ -128,11 +128,10 @@ class LlamaDecodePlan:
             out = torch.empty_like(x)
             tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
             dll.kvs_llama_decode(self.one_call_layers.data_ptr(), len(self.layers), self.one_call_kind, self.norm_code,
-                                      x.data_ptr(),
-                                      positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
-                                      meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
-                                      seq_lens.data_ptr(), self.final_norm.data_ptr(), out.data_ptr(), B, n, H, Hkv, d,
-                                      inter, eps, self.scale, self.block_size, act, cc, nt)
+                                 x.data_ptr(), positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
+                                 meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
+                                 seq_lens.data_ptr(), self.final_norm.data_ptr(), out.data_ptr(), B, n, H, Hkv, d,
+                                 inter, eps, self.scale, self.block_size, act, cc, nt)
             return out
         # matmul inputs in the dtype each layer multiplies in (bf16 for packed layers of a float32 model:
         # the kernels write the float32 result cast to bf16, as the layer would cast it)
