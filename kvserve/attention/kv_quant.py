@@ -158,13 +158,29 @@ def quantized_paged_attention(q: torch.Tensor, key_cache: QuantizedKVCache, valu
     if nd:
         out[:nd] = _decode(q[:nd], key_cache, value_cache, meta, scale)
     start = sum(meta.query_lens_list[:nd])
+    fresh_k = fresh_v = None
     for s in range(nd, meta.num_seqs):
         qlen, slen = meta.query_lens_list[s], meta.seq_lens_list[s]
-        ks = gather_dequantized(key_cache, meta.block_tables[s], slen)
-        vs = gather_dequantized(value_cache, meta.block_tables[s], slen)
+        if slen == qlen:  # no earlier context: its keys are this step's rows, dequantized once for all sequences
+            if fresh_k is None:
+                fresh_k, fresh_v = (dequantized_rows(c, meta.slot_mapping).to(q.dtype) for c in (key_cache, value_cache))
+            ks, vs = fresh_k[start:start + qlen], fresh_v[start:start + qlen]
+        else:
+            ks = gather_dequantized(key_cache, meta.block_tables[s], slen)
+            vs = gather_dequantized(value_cache, meta.block_tables[s], slen)
         out[start:start + qlen] = _prefill(q[start:start + qlen], ks, vs, scale)
         start += qlen
     return out
+
+
+def dequantized_rows(cache: QuantizedKVCache, slots: torch.Tensor) -> torch.Tensor:
+    """[len(slots), num_kv_heads, head_dim] float32: the cache rows at these slots (the same values as
+    :func:`gather_dequantized` reads from the blocks holding them). slots: [T] int64."""
+    _, _, Hkv, d = cache.codes.shape
+    codes = cache.codes.view(-1, Hkv, d).index_select(0, slots)  # [T, Hkv, d]
+    scale = cache.scale.view(-1, Hkv).index_select(0, slots)  # [T, Hkv]
+    dll = kv_quant_kernel.load() if codes.device.type == "cpu" else None
+    return kv_quant_kernel.dequantize(dll, codes, scale, cache.kind) if dll else dequantize(codes, scale, cache.kind)
 
 
 def _decode(q: torch.Tensor, key_cache: QuantizedKVCache, value_cache: QuantizedKVCache,
