@@ -42,38 +42,82 @@ static inline void store(void *p, int64_t i, float v, int code) {
 /* v as the activation dtype would hold it */
 static inline float round_to(float v, int code) { return code == 3 ? v : bf16_to_float(float_to_bf16(v)); }
 
+/* p[off .. off + n) = v[0 .. n) stored in code (3 float32, 4 bfloat16 rounded to nearest even): store() on
+ * 16 lanes */
+static inline __attribute__((always_inline)) void store_row(void *p, int64_t off, const float *v, int n, const int code) {
+    int i = 0;
+    if (code == 3) { memcpy((float *)p + off, v, sizeof(float) * (size_t)n); return; }
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) ps_store_bf16((uint16_t *)p + off + i, _mm512_loadu_ps(v + i));
+#endif
+    for (; i < n; i++) store(p, off + i, v[i], code);
+}
+
 static inline __attribute__((always_inline, optimize("fp-contract=off"))) void rope_row(
         const void *qkv, int64_t row, const float *c, const float *s, void *q_out, void *k_out, void *key_cache,
         void *value_cache, float *k_scale, float *v_scale, int64_t t, int64_t slot, int H, int Hkv, int d,
         const int in, const int act, const int cache_code) {
     const int half = d / 2;
     float rot[512];  /* one rotated head (d <= 512) */
+#ifdef __AVX512F__
+    float cr[256] __attribute__((aligned(64))), sr[256] __attribute__((aligned(64)));  /* this row's cos, sin as act holds them */
+    const int vec = in == 4 && act == 4 ? half / 16 * 16 : 0;  /* a bfloat16 model: 16 lanes, same ops and roundings */
+    for (int i = 0; i < vec; i += 16) {
+        _mm512_store_ps(cr + i, ps_round_bf16(_mm512_loadu_ps(c + i)));
+        _mm512_store_ps(sr + i, ps_round_bf16(_mm512_loadu_ps(s + i)));
+    }
+#else
+    const int vec = 0;
+#endif
     for (int h = 0; h < H + Hkv; h++) {
         const int64_t src = row + (int64_t)h * d;
-        for (int i = 0; i < half; i++) {
+#ifdef __AVX512F__
+        for (int i = 0; i < vec; i += 16) {
+            const uint16_t *x = (const uint16_t *)qkv + src;
+            const __m512 x1 = bf16x16_to_ps(x + i), x2 = bf16x16_to_ps(x + half + i);
+            const __m512 ci = _mm512_load_ps(cr + i), si = _mm512_load_ps(sr + i);
+            _mm512_storeu_ps(rot + i, ps_round_bf16(_mm512_sub_ps(ps_round_bf16(_mm512_mul_ps(x1, ci)),
+                                                                  ps_round_bf16(_mm512_mul_ps(x2, si)))));
+            _mm512_storeu_ps(rot + half + i, ps_round_bf16(_mm512_add_ps(ps_round_bf16(_mm512_mul_ps(x2, ci)),
+                                                                         ps_round_bf16(_mm512_mul_ps(x1, si)))));
+        }
+#endif
+        for (int i = vec; i < half; i++) {
             const float ci = round_to(c[i], act), si = round_to(s[i], act);
             const float x1 = load(qkv, src + i, in), x2 = load(qkv, src + half + i, in);
             rot[i] = round_to(round_to(x1 * ci, act) - round_to(x2 * si, act), act);
             rot[half + i] = round_to(round_to(x2 * ci, act) + round_to(x1 * si, act), act);
         }
         if (h < H) {
-            for (int i = 0; i < d; i++) store(q_out, (t * H + h) * (int64_t)d + i, rot[i], act);
+            store_row(q_out, (t * H + h) * (int64_t)d, rot, d, act);
             continue;
         }
         if (k_out)
-            for (int i = 0; i < d; i++) store(k_out, (t * Hkv + h - H) * (int64_t)d + i, rot[i], act);
+            store_row(k_out, (t * Hkv + h - H) * (int64_t)d, rot, d, act);
         if (key_cache && cache_code <= 2)
             k_scale[slot * Hkv + h - H] = quantize_row(rot, d, cache_code,
                                                        (uint8_t *)key_cache + (slot * Hkv + h - H) * (int64_t)d);
         else if (key_cache)
-            for (int i = 0; i < d; i++) store(key_cache, (slot * Hkv + h - H) * (int64_t)d + i, rot[i], cache_code);
+            store_row(key_cache, (slot * Hkv + h - H) * (int64_t)d, rot, d, cache_code);
     }
     for (int h = 0; value_cache && h < Hkv; h++) {
-        for (int i = 0; i < d; i++) rot[i] = round_to(load(qkv, row + (int64_t)(H + Hkv + h) * d + i, in), act);
+        const int64_t src = row + (int64_t)(H + Hkv + h) * d;
+        if (in == 4 && cache_code == 4) {  /* bfloat16 in, bfloat16 cache (act either way: exact) */
+            memcpy((uint16_t *)value_cache + (slot * Hkv + h) * d, (const uint16_t *)qkv + src, sizeof(uint16_t) * (size_t)d);
+            continue;
+        }
+#ifdef __AVX512F__
+        int i = 0;
+        if (in == 4)  /* bfloat16 values are exact in either activation dtype */
+            for (; i + 16 <= d; i += 16) _mm512_storeu_ps(rot + i, bf16x16_to_ps((const uint16_t *)qkv + src + i));
+        for (; i < d; i++) rot[i] = round_to(load(qkv, src + i, in), act);
+#else
+        for (int i = 0; i < d; i++) rot[i] = round_to(load(qkv, src + i, in), act);
+#endif
         if (cache_code <= 2)
             v_scale[slot * Hkv + h] = quantize_row(rot, d, cache_code, (uint8_t *)value_cache + (slot * Hkv + h) * d);
         else
-            for (int i = 0; i < d; i++) store(value_cache, (slot * Hkv + h) * d + i, rot[i], cache_code);
+            store_row(value_cache, (slot * Hkv + h) * d, rot, d, cache_code);
     }
 }
 
