@@ -200,3 +200,21 @@ def test_hf_peer_runs_in_its_own_process_on_the_bundled_gguf():
     out = run_hf_in_subprocess(resolve_model("smollm2-135m", "auto"), torch.float32, [8, 12], 3, 49152, 2)
     assert sorted(out) == [8, 12]
     assert all(r["ttft_ms"] > 0 and len(r["itl_ms"]) == 2 and min(r["itl_ms"]) > 0 for r in out.values())
+
+
+def test_bench_step_read_is_a_plain_read_of_one_steps_bytes(monkeypatch):
+    """run_context reads a buffer of exactly the decode steps' mean bytes and reports that rate; the table
+    shows achieved ÷ that rate (hand-computed: 12.5 of 50 GB/s = 25 %)."""
+    from kvserve.bench import latency
+    from kvserve.bench.latency import ContextResult, LatencyReport, format_report
+    from tests.conftest import tiny_llm
+
+    sizes = []
+    monkeypatch.setattr(latency, "measure_read_bandwidth", lambda n=1 << 30, repeats=5: sizes.append(n) or 40e9)
+    r = latency.run_context(tiny_llm(), 24, 4, 20e9)
+    assert sizes == [int(r.decode_bytes_per_step)] and r.decode_bytes_per_step > 0
+    assert r.step_read_gb_per_s == 40.0
+    rep = LatencyReport("m", "f", 20.0, contexts=[ContextResult(128, 50.0, 9.0, 8.0, 10.0, 1e8, 12.5, 5.0,
+                                                                step_read_gb_per_s=50.0)])
+    row = format_report(rep).splitlines()[4].split()
+    assert row[6:8] == ["62%", "5.00"] and row[9:11] == ["50.0", "25%"]
