@@ -125,6 +125,22 @@ def test_rope_write_kv_bit_identical_to_eager(dtype, cache_dtype, strided, T, mo
             assert a.abs().sum() > 0  # something was written
 
 
+@pytest.mark.parametrize("d", [40, 96, 8])  # half = 20: 16 lanes + a scalar tail; 48: three vectors; 4: no vector
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, "int8"])
+def test_rope_write_kv_bfloat16_any_head_dim_bit_identical(d, cache_dtype, monkeypatch):
+    """The 16-lane rotation of a bfloat16 model with head dims that are not a multiple of 32."""
+    qkv, pos, rot, slots, (fast_c, ref_c), (H, Hkv, _) = _rope_case(torch.bfloat16, cache_dtype, T=20, d=d)
+    q, k, v = fused_ops.rope_write_kv(qkv, pos, rot.cos, rot.sin, *fast_c, slots, H, Hkv, d)
+    monkeypatch.setattr(kv_quant_kernel, "load", lambda: None)
+    rq, rk, rv = fused_ops.rope_write_kv_reference(qkv, pos, rot.cos, rot.sin, *ref_c, slots, H, Hkv, d)
+    assert torch.equal(q, rq) and torch.equal(k, rk) and torch.equal(v, rv)
+    for a, b in zip(fast_c, ref_c):
+        if isinstance(a, QuantizedKVCache):
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+        else:
+            assert torch.equal(a, b)
+
+
 def test_rope_rotates_by_position():
     """Independent check of the rotation itself: at position p, pair (x_i, x_{i+d/2}) turns by p·θ_i."""
     d = 8
