@@ -112,12 +112,62 @@ def test_int4_kernel_matches_torch_int4_kernel_on_the_same_weights():
     ours, theirs = Int4Linear(block, layout="tiles", dense_prefill=False), Int4Linear(block, layout="torch",
                                                                                         dense_prefill=False)
     assert torch.equal(ours.dequantize().to(torch.bfloat16), theirs.dequantize().to(torch.bfloat16))
-    for T in (1, 4, 7):
+    for T in (2, 4, 7):  # one row takes int8 x (test_int4_one_row_quantizes_x_per_group_within_its_bound)
         x = torch.randn(T, 320, generator=g).to(torch.bfloat16)
         a, b = ours(x).float(), theirs(x).float()
         step = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 1e-6
         assert ((a - b).abs() <= step).all()
         assert (a != b).float().mean() < 0.05  # mostly the same bits
+
+
+def _q8_bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """The one-row int4 kernel's error bound, from its arithmetic (x: [1, K] bfloat16 values; w: [N, K]
+    dequantized; ref: float64 x·wᵀ): x_k becomes d_g·q_k with d_g = max|x_g| / 127 and q_k rounded to
+    nearest, so |x_k − x̂_k| ≤ d_g / 2 (2⁻²⁰ slack for the rounded 127 / max); the integer sums are exact;
+    the float32 terms add ~G roundings of at most Σ|w·x| (2⁻¹⁶ covers G ≤ 256); the bfloat16 output
+    is rounded once more (2⁻⁸ relative)."""
+    xg = x.double().view(1, -1, 32)
+    d = xg.abs().amax(-1) / 127  # [1, G]
+    per_k = (d[..., None] / 2 + xg.abs() * 2.0 ** -20).reshape(1, -1)  # [1, K]
+    quant = w.double().abs() @ per_k.T  # [N, 1]
+    return (quant.T * (1 + 2.0 ** -8) + 2.0 ** -8 * ref.abs()
+            + 2.0 ** -16 * (x.double().abs() @ w.double().abs().T))
+
+
+@needs_int4_kernel
+@pytest.mark.parametrize("case", ["gaussian", "outlier", "zero group", "tiny"])
+def test_int4_one_row_quantizes_x_per_group_within_its_bound(case):
+    """One row of x (batch-1 decode) runs on int8 activations (as llama.cpp's Q8_1): against the float64
+    x·Wᵀ of the dequantized weights within _q8_bound, and the bound is a few percent of what a code,
+    scale or input-order error would cost (those break it by 10-100×). Groups with an outlier (coarse
+    steps for the rest), all zeros, and values near the bfloat16 minimum."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 352, generator=g) * 0.1
+    layer = Int4Linear(quantize_int4_minmax(w), layout="tiles", dense_prefill=False)
+    x = torch.randn(1, 352, generator=g)
+    if case == "outlier":
+        x[0, 40] = 300.0
+    elif case == "zero group":
+        x[0, 64:96] = 0.0
+    elif case == "tiny":
+        x = x * 1e-30
+    xb = x.to(torch.bfloat16).float()
+    y = layer(xb.to(torch.bfloat16)).float()
+    wd = layer.dequantize()
+    ref = xb.double() @ wd.double().T
+    bound = _q8_bound(xb, wd, ref)
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), float((err / bound).max())
+    assert bound.max() < 0.05 * (xb.double().abs() @ wd.double().abs().T).max()  # a bound that can fail
+
+
+@needs_int4_kernel
+def test_int4_one_row_nan_input_gives_nan():
+    layer = Int4Linear(quantize_int4_minmax(torch.randn(32, 64)), layout="tiles", dense_prefill=False)
+    x = torch.randn(1, 64)
+    x[0, 5] = float("nan")
+    y = layer(x.to(torch.bfloat16)).float()
+    assert torch.isnan(y).all()
 
 
 def test_int4_layout_errors_name_the_field():

@@ -25,6 +25,16 @@
  * y += scale·A + zero·X. The AMX tile product (tdpbf16ps) computes the same A with the same rounding
  * rules (float32 accumulation, denormals flushed) in another order. Differs from the dequantized float32
  * matmul only in summation order and in the denormal flush.
+ *
+ * One row of x (a batch-1 decode step), where the CPU has AVX512-VNNI: x is quantized per group of 32 to
+ * int8 with one float32 scale d = max|x_g| / 127 (llama.cpp's Q8_1 activations for Q4_1 weights) and each
+ * group's Σ q·x_q is an exact integer from vpdpbusd on the codes as stored (int4_tile_q8). Error against the
+ * dequantized float32 matmul: |x_k − d·x_q,k| ≤ d/2 per input, plus float32 roundings of the per-group
+ * terms (tested with that bound). Why: the bfloat16 path spends three vector instructions per 32 weights
+ * (shift, vpermw, vdpbf16ps) and ran at ~17 GB/s per core even from L1; this one spends ~1.5 per 32
+ * (mask or shift, vpdpbusd for 64): SmolLM2's 120 layer matrices at one row, 2 threads, weights in the
+ * L3: 2.2-2.5 -> 1.4-1.5 ms (the speed of a plain read of the same bytes). Perplexity of the bundled
+ * Q4_1 model over 4 × 256 tokens scored one token per step: 18.27 (bfloat16 x) vs 18.24 (int8 x).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -34,6 +44,13 @@
 
 #define INT4_RECORD 160 /* uint16 per (tile, group) record */
 #define INT4_PREFETCH (24 * INT4_RECORD) /* prefetch distance, uint16: 24 records, tuned on SmolLM2's matrices */
+
+/* Floats of scratch kvs_int4_linear_team needs for M rows of K inputs: the group sums of x [M, K/32], or
+ * for one row its int8 codes (K bytes) and two floats per group. */
+int64_t kvs_int4_scratch_floats(int64_t M, int K) {
+    const int64_t sums = M * (K / 32), q8 = K / 4 + 2 * (K / 32);
+    return sums > q8 ? sums : q8;
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -78,6 +95,57 @@ static inline __attribute__((always_inline)) void int4_tile(const uint16_t *rec,
     }
     for (int m = 0; m < MB; m++) _mm512_storeu_ps(out + 16 * m, y[m]);
 }
+
+#ifdef __AVX512VNNI__
+#define INT4_Q8 1
+
+/* One row of x as int8 codes per group of 32 inputs, as llama.cpp quantizes activations for its Q4/Q8
+ * dot products (Q8_0/Q8_1): d = max|x_g| / 127, q = x / d rounded to nearest even (|q| <= 127).
+ * xq [32]: the codes in the order the packed records hold each row's inputs within a chunk of 8 (see
+ * int4_tile_q8): 0, 4, 1, 5, 2, 6, 3, 7. *dx = d; *cx = d · Σ q (the group sum of x as quantized).
+ * A NaN in the group makes d NaN, so the output is NaN as with bf16 x. */
+static inline __attribute__((always_inline)) void quantize_group_q8(const uint16_t *x, int8_t *xq, float *dx,
+                                                                    float *cx) {
+    const __m512 a = bf16x16_to_ps(x), b = bf16x16_to_ps(x + 16);
+    const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
+    const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
+    const __m512i perm = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    const __m512i qa = _mm512_permutexvar_epi32(perm, _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)));
+    const __m512i qb = _mm512_permutexvar_epi32(perm, _mm512_cvtps_epi32(_mm512_mul_ps(b, inv)));
+    _mm_storeu_si128((__m128i *)xq, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(xq + 16), _mm512_cvtepi32_epi8(qb));
+    const float d = nan ? NAN : m / 127.f;
+    *dx = d;
+    *cx = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+}
+
+/* One row of x (quantize_group_q8 codes xq [K], scales dx [G], cx [G]) times one tile of 16 weight rows:
+ * out[0..16) float32. Per group, an integer dot product per weight row: the 32-bit lane r of chunk c holds
+ * row r's codes at inputs 8c + (0, 4, 1, 5) in the low nibbles of its four bytes and 8c + (2, 6, 3, 7) in
+ * the high nibbles (the record layout above), so a mask and a shift give unsigned bytes for vpdpbusd
+ * against xq's matching quads: S = Σ q·xq exactly in int32. Then y += (scale·d)·S + (zero − 8·scale)·cx,
+ * which is Σ_k w_k·x̂_k with x̂ = d·xq (the −8 of q − 8 moved into the zero term). */
+static inline __attribute__((always_inline)) void int4_tile_q8(const uint16_t *rec, int G, const int8_t *xq,
+                                                               const float *dx, const float *cx, float *out) {
+    const __m512i low = _mm512_set1_epi32(0x0F0F0F0F);
+    __m512 y = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++, rec += INT4_RECORD) {
+        for (int l = 0; l < INT4_RECORD * 2; l += 64) __builtin_prefetch((const char *)(rec + INT4_PREFETCH) + l, 0, 3);
+        const int32_t *quads = (const int32_t *)(xq + 32 * g);
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(rec + 32 * c);
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(v, low), _mm512_set1_epi32(quads[2 * c]));
+            s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi32(v, 4), low), _mm512_set1_epi32(quads[2 * c + 1]));
+        }
+        const __m512 scale = bf16x16_to_ps(rec + 128), zero = bf16x16_to_ps(rec + 144);
+        y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(scale, _mm512_set1_ps(dx[g])), y);
+        y = _mm512_fmadd_ps(_mm512_fnmadd_ps(scale, _mm512_set1_ps(8.f), zero), _mm512_set1_ps(cx[g]), y);
+    }
+    _mm512_storeu_ps(out, y);
+}
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -203,10 +271,25 @@ static inline void store_rows(const float *out, int rows, int64_t m0, int64_t N,
 }
 
 /* The matmul below, run by every thread of an enclosing parallel region (outside one: by the caller
- * alone). xsum: [M, K/32] float32 scratch shared by the team. Ends with a barrier. */
+ * alone). xsum: kvs_int4_scratch_floats(M, K) float32 scratch shared by the team. Ends with a barrier. */
 void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
                           float *xsum) {
     const int G = K / 32, tiles = N / 16;
+#ifdef INT4_Q8
+    if (M == 1) {  /* one row: int8 x on vpdpbusd (int4_tile_q8), ~2x the vdpbf16ps path's speed */
+        int8_t *xq = (int8_t *)xsum;
+        float *dx = xsum + K / 4, *cx = dx + G;
+#pragma omp for schedule(static)
+        for (int g = 0; g < G; g++) quantize_group_q8(x + 32 * g, xq + 32 * g, dx + g, cx + g);
+        float out[16];
+#pragma omp for schedule(static)
+        for (int t = 0; t < tiles; t++) {
+            int4_tile_q8(w + (int64_t)t * G * INT4_RECORD, G, xq, dx, cx, out);
+            store_rows(out, 1, 0, N, t, y, out_code);
+        }
+        return;
+    }
+#endif
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++)
         for (int g = 0; g < G; g++) {
@@ -256,7 +339,7 @@ void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w
  * each tile's records are read once for every four rows of x. */
 void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
                      int num_threads) {
-    float *xsum = malloc(sizeof(float) * (size_t)(M * (K / 32)));
+    float *xsum = malloc(sizeof(float) * (size_t)kvs_int4_scratch_floats(M, K));
 #pragma omp parallel num_threads(num_threads) if (N / 16 >= 8)
     kvs_int4_linear_team(x, M, K, w, N, y, out_code, xsum);
     free(xsum);

@@ -27,6 +27,7 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
                                int q_bf16);
 void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
                           float *xsum);
+int64_t kvs_int4_scratch_floats(int64_t M, int K);
 void kvs_dense_linear_team(const void *x, int64_t M, int K, const void *w, int w_code, const uint16_t *scales, int N,
                            void *y);
 
@@ -348,7 +349,7 @@ void kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, voi
     const int64_t hd = (int64_t)B * H * d;
     float *part = malloc(sizeof(float) * (size_t)(items * H * (d + 2)));
     float *qf = malloc(sizeof(float) * (size_t)(2 * hd)), *of = qf + hd;
-    float *xsum = malloc(sizeof(float) * (size_t)(B * (Kmax / 32 + 1)));
+    float *xsum = malloc(sizeof(float) * (size_t)kvs_int4_scratch_floats(B, Kmax));
     char *h = malloc(es * (size_t)B * (size_t)(n + W + H * d + n + 2 * I + I + n));
     char *qkv = h + es * B * n, *o = qkv + es * B * W, *a = o + es * hd, *gu = a + es * B * n;
     char *g = gu + es * B * 2 * I, *delta = g + es * B * I;
