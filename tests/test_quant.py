@@ -112,7 +112,7 @@ def test_int4_kernel_matches_torch_int4_kernel_on_the_same_weights():
     ours, theirs = Int4Linear(block, layout="tiles", dense_prefill=False), Int4Linear(block, layout="torch",
                                                                                         dense_prefill=False)
     assert torch.equal(ours.dequantize().to(torch.bfloat16), theirs.dequantize().to(torch.bfloat16))
-    for T in (2, 4, 7):  # one row takes int8 x (test_int4_one_row_quantizes_x_per_group_within_its_bound)
+    for T in (8, 11, 17):  # up to 7 rows take int8 x (test_int4_few_rows_quantize_x_per_group_within_their_bound)
         x = torch.randn(T, 320, generator=g).to(torch.bfloat16)
         a, b = ours(x).float(), theirs(x).float()
         step = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 1e-6
@@ -121,32 +121,34 @@ def test_int4_kernel_matches_torch_int4_kernel_on_the_same_weights():
 
 
 def _q8_bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """The one-row int4 kernel's error bound, from its arithmetic (x: [1, K] bfloat16 values; w: [N, K]
-    dequantized; ref: float64 x·wᵀ): x_k becomes d_g·q_k with d_g = max|x_g| / 127 and q_k rounded to
-    nearest, so |x_k − x̂_k| ≤ d_g / 2 (2⁻²⁰ slack for the rounded 127 / max); the integer sums are exact;
-    the float32 terms add ~G roundings of at most Σ|w·x| (2⁻¹⁶ covers G ≤ 256); the bfloat16 output
-    is rounded once more (2⁻⁸ relative)."""
-    xg = x.double().view(1, -1, 32)
-    d = xg.abs().amax(-1) / 127  # [1, G]
-    per_k = (d[..., None] / 2 + xg.abs() * 2.0 ** -20).reshape(1, -1)  # [1, K]
-    quant = w.double().abs() @ per_k.T  # [N, 1]
-    return (quant.T * (1 + 2.0 ** -8) + 2.0 ** -8 * ref.abs()
+    """The int8-activation int4 kernel's error bound, from its arithmetic (x: [T, K] bfloat16 values;
+    w: [N, K] dequantized; ref: float64 x·wᵀ [T, N]): x_k becomes d_g·q_k with d_g = max|x_g| / 127 and
+    q_k rounded to nearest, so |x_k − x̂_k| ≤ d_g / 2 (2⁻²⁰ slack for the rounded 127 / max); the integer
+    sums are exact; the float32 terms add ~G roundings of at most Σ|w·x| (2⁻¹⁶ covers G ≤ 256); the
+    bfloat16 output is rounded once more (2⁻⁸ relative)."""
+    T = x.shape[0]
+    xg = x.double().view(T, -1, 32)
+    d = xg.abs().amax(-1) / 127  # [T, G]
+    per_k = (d[..., None] / 2 + xg.abs() * 2.0 ** -20).reshape(T, -1)  # [T, K]
+    quant = per_k @ w.double().abs().T  # [T, N]
+    return (quant * (1 + 2.0 ** -8) + 2.0 ** -8 * ref.abs()
             + 2.0 ** -16 * (x.double().abs() @ w.double().abs().T))
 
 
 @needs_int4_kernel
+@pytest.mark.parametrize("T", [1, 3, 7])  # 3: one partial block of four rows; 7: a full one and a partial one
 @pytest.mark.parametrize("case", ["gaussian", "outlier", "zero group", "tiny"])
-def test_int4_one_row_quantizes_x_per_group_within_its_bound(case):
-    """One row of x (batch-1 decode) runs on int8 activations (as llama.cpp's Q8_1): against the float64
-    x·Wᵀ of the dequantized weights within _q8_bound, and the bound is a few percent of what a code,
-    scale or input-order error would cost (those break it by 10-100×). Groups with an outlier (coarse
-    steps for the rest), all zeros, and values near the bfloat16 minimum."""
-    g = torch.Generator().manual_seed(5)
+def test_int4_few_rows_quantize_x_per_group_within_their_bound(case, T):
+    """Up to 7 rows of x (decode batches) run on int8 activations (as llama.cpp's Q8_1): against the
+    float64 x·Wᵀ of the dequantized weights within _q8_bound, and the bound is a few percent of what a
+    code, scale or input-order error would cost (those break it by 10-100×). Groups with an outlier
+    (coarse steps for the rest), all zeros, and values near the bfloat16 minimum."""
+    g = torch.Generator().manual_seed(5 + T)
     w = torch.randn(96, 352, generator=g) * 0.1
     layer = Int4Linear(quantize_int4_minmax(w), layout="tiles", dense_prefill=False)
-    x = torch.randn(1, 352, generator=g)
+    x = torch.randn(T, 352, generator=g)
     if case == "outlier":
-        x[0, 40] = 300.0
+        x[-1, 40] = 300.0
     elif case == "zero group":
         x[0, 64:96] = 0.0
     elif case == "tiny":
@@ -159,6 +161,8 @@ def test_int4_one_row_quantizes_x_per_group_within_its_bound(case):
     err = (y.double() - ref).abs()
     assert (err <= bound).all(), float((err / bound).max())
     assert bound.max() < 0.05 * (xb.double().abs() @ wd.double().abs().T).max()  # a bound that can fail
+    for t in range(T):  # each row's result depends on that row alone
+        assert torch.equal(layer(xb[t:t + 1].to(torch.bfloat16)), y[t:t + 1].to(torch.bfloat16))
 
 
 @needs_int4_kernel

@@ -26,15 +26,18 @@
  * rules (float32 accumulation, denormals flushed) in another order. Differs from the dequantized float32
  * matmul only in summation order and in the denormal flush.
  *
- * One row of x (a batch-1 decode step), where the CPU has AVX512-VNNI: x is quantized per group of 32 to
+ * Up to INT4_Q8_MAX_ROWS (7) rows of x (decode steps of small batches), where the CPU has AVX512-VNNI,
+ * each row of x is quantized per group of 32 to
  * int8 with one float32 scale d = max|x_g| / 127 (llama.cpp's Q8_1 activations for Q4_1 weights) and each
  * group's Σ q·x_q is an exact integer from vpdpbusd on the codes as stored (int4_tile_q8). Error against the
  * dequantized float32 matmul: |x_k − d·x_q,k| ≤ d/2 per input, plus float32 roundings of the per-group
  * terms (tested with that bound). Why: the bfloat16 path spends three vector instructions per 32 weights
  * (shift, vpermw, vdpbf16ps) and ran at ~17 GB/s per core even from L1; this one spends ~1.5 per 32
  * (mask or shift, vpdpbusd for 64): SmolLM2's 120 layer matrices at one row, 2 threads, weights in the
- * L3: 2.2-2.5 -> 1.4-1.5 ms (the speed of a plain read of the same bytes). Perplexity of the bundled
- * Q4_1 model over 4 × 256 tokens scored one token per step: 18.27 (bfloat16 x) vs 18.24 (int8 x).
+ * L3: 2.2-2.5 -> 1.4-1.5 ms (the speed of a plain read of the same bytes); 2 rows 4.5 -> 2.3 ms and 4
+ * rows 5.8 -> 2.9 ms against the AMX path; at 8 rows the two are even. Perplexity of the bundled Q4_1
+ * model over 4 × 256 tokens scored one token per step: 18.27 (bfloat16 x) vs 18.24 (int8 x). Each
+ * row's result depends on that row alone, as on the other paths.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -46,9 +49,9 @@
 #define INT4_PREFETCH (24 * INT4_RECORD) /* prefetch distance, uint16: 24 records, tuned on SmolLM2's matrices */
 
 /* Floats of scratch kvs_int4_linear_team needs for M rows of K inputs: the group sums of x [M, K/32], or
- * for one row its int8 codes (K bytes) and two floats per group. */
+ * (int8 x, up to INT4_Q8_MAX_ROWS rows) the rows' int8 codes (K bytes each) and two floats per group. */
 int64_t kvs_int4_scratch_floats(int64_t M, int K) {
-    const int64_t sums = M * (K / 32), q8 = K / 4 + 2 * (K / 32);
+    const int64_t sums = M * (K / 32), q8 = M * (K / 4 + 2 * (K / 32));
     return sums > q8 ? sums : q8;
 }
 
@@ -98,6 +101,9 @@ static inline __attribute__((always_inline)) void int4_tile(const uint16_t *rec,
 
 #ifdef __AVX512VNNI__
 #define INT4_Q8 1
+#ifndef INT4_Q8_MAX_ROWS
+#define INT4_Q8_MAX_ROWS 7 /* up to this many rows of x: int8 x (int4_tile_q8); from 8 rows AMX is as fast */
+#endif
 
 /* One row of x as int8 codes per group of 32 inputs, as llama.cpp quantizes activations for its Q4/Q8
  * dot products (Q8_0/Q8_1): d = max|x_g| / 127, q = x / d rounded to nearest even (|q| <= 127).
@@ -120,30 +126,41 @@ static inline __attribute__((always_inline)) void quantize_group_q8(const uint16
     *cx = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 }
 
-/* One row of x (quantize_group_q8 codes xq [K], scales dx [G], cx [G]) times one tile of 16 weight rows:
- * out[0..16) float32. Per group, an integer dot product per weight row: the 32-bit lane r of chunk c holds
- * row r's codes at inputs 8c + (0, 4, 1, 5) in the low nibbles of its four bytes and 8c + (2, 6, 3, 7) in
- * the high nibbles (the record layout above), so a mask and a shift give unsigned bytes for vpdpbusd
- * against xq's matching quads: S = Σ q·xq exactly in int32. Then y += (scale·d)·S + (zero − 8·scale)·cx,
- * which is Σ_k w_k·x̂_k with x̂ = d·xq (the −8 of q − 8 moved into the zero term). */
-static inline __attribute__((always_inline)) void int4_tile_q8(const uint16_t *rec, int G, const int8_t *xq,
-                                                               const float *dx, const float *cx, float *out) {
+/* MB (<= 4) rows of x (quantize_group_q8 codes xq [MB, K], row stride K; scales dx and cx [MB, G], row
+ * stride G) times one tile of 16 weight rows: out[m][0..16) float32. Per group, an integer dot product
+ * per weight row: the 32-bit lane r of chunk c holds row r's codes at inputs 8c + (0, 4, 1, 5) in the low
+ * nibbles of its four bytes and 8c + (2, 6, 3, 7) in the high nibbles (the record layout above), so a
+ * mask and a shift give unsigned bytes for vpdpbusd against xq's matching quads: S = Σ q·xq exactly in
+ * int32. Then y += (scale·d)·S + (zero − 8·scale)·cx, which is Σ_k w_k·x̂_k with x̂ = d·xq (the −8 of
+ * q − 8 moved into the zero term). Each row's result depends on that row alone. */
+static inline __attribute__((always_inline)) void int4_tile_q8(const uint16_t *rec, int G, const int8_t *xq, int K,
+                                                               const float *dx, const float *cx, float *out,
+                                                               const int MB) {
     const __m512i low = _mm512_set1_epi32(0x0F0F0F0F);
-    __m512 y = _mm512_setzero_ps();
+    __m512 y[4];
+    for (int m = 0; m < MB; m++) y[m] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++, rec += INT4_RECORD) {
         for (int l = 0; l < INT4_RECORD * 2; l += 64) __builtin_prefetch((const char *)(rec + INT4_PREFETCH) + l, 0, 3);
-        const int32_t *quads = (const int32_t *)(xq + 32 * g);
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        __m512i s0[4], s1[4];
+        for (int m = 0; m < MB; m++) s0[m] = s1[m] = _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) {
             const __m512i v = _mm512_loadu_si512(rec + 32 * c);
-            s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(v, low), _mm512_set1_epi32(quads[2 * c]));
-            s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi32(v, 4), low), _mm512_set1_epi32(quads[2 * c + 1]));
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
+            for (int m = 0; m < MB; m++) {
+                const int32_t *quads = (const int32_t *)(xq + (int64_t)m * K + 32 * g);
+                s0[m] = _mm512_dpbusd_epi32(s0[m], lo, _mm512_set1_epi32(quads[2 * c]));
+                s1[m] = _mm512_dpbusd_epi32(s1[m], hi, _mm512_set1_epi32(quads[2 * c + 1]));
+            }
         }
         const __m512 scale = bf16x16_to_ps(rec + 128), zero = bf16x16_to_ps(rec + 144);
-        y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(scale, _mm512_set1_ps(dx[g])), y);
-        y = _mm512_fmadd_ps(_mm512_fnmadd_ps(scale, _mm512_set1_ps(8.f), zero), _mm512_set1_ps(cx[g]), y);
+        const __m512 zz = _mm512_fnmadd_ps(scale, _mm512_set1_ps(8.f), zero);
+        for (int m = 0; m < MB; m++) {
+            const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[m], s1[m]));
+            y[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(scale, _mm512_set1_ps(dx[m * G + g])), y[m]);
+            y[m] = _mm512_fmadd_ps(zz, _mm512_set1_ps(cx[m * G + g]), y[m]);
+        }
     }
-    _mm512_storeu_ps(out, y);
+    for (int m = 0; m < MB; m++) _mm512_storeu_ps(out + 16 * m, y[m]);
 }
 #endif
 
@@ -276,16 +293,28 @@ void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w
                           float *xsum) {
     const int G = K / 32, tiles = N / 16;
 #ifdef INT4_Q8
-    if (M == 1) {  /* one row: int8 x on vpdpbusd (int4_tile_q8), ~2x the vdpbf16ps path's speed */
+    if (M <= INT4_Q8_MAX_ROWS) {  /* int8 x on vpdpbusd (int4_tile_q8), four rows per pass over a tile */
         int8_t *xq = (int8_t *)xsum;
-        float *dx = xsum + K / 4, *cx = dx + G;
+        float *dx = xsum + M * K / 4, *cx = dx + M * G;
 #pragma omp for schedule(static)
-        for (int g = 0; g < G; g++) quantize_group_q8(x + 32 * g, xq + 32 * g, dx + g, cx + g);
-        float out[16];
+        for (int64_t i = 0; i < M * G; i++)
+            quantize_group_q8(x + (i / G) * K + 32 * (i % G), xq + (i / G) * K + 32 * (i % G), dx + i, cx + i);
+        float out[4 * 16];
 #pragma omp for schedule(static)
         for (int t = 0; t < tiles; t++) {
-            int4_tile_q8(w + (int64_t)t * G * INT4_RECORD, G, xq, dx, cx, out);
-            store_rows(out, 1, 0, N, t, y, out_code);
+            const uint16_t *rec = w + (int64_t)t * G * INT4_RECORD;
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int mb = M - m0 < 4 ? (int)(M - m0) : 4;
+                const int8_t *xr = xq + m0 * K;
+                const float *dr = dx + m0 * G, *cr = cx + m0 * G;
+                switch (mb) {
+                    case 4: int4_tile_q8(rec, G, xr, K, dr, cr, out, 4); break;
+                    case 3: int4_tile_q8(rec, G, xr, K, dr, cr, out, 3); break;
+                    case 2: int4_tile_q8(rec, G, xr, K, dr, cr, out, 2); break;
+                    default: int4_tile_q8(rec, G, xr, K, dr, cr, out, 1); break;
+                }
+                store_rows(out, mb, m0, N, t, y, out_code);
+            }
         }
         return;
     }

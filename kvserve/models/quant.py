@@ -212,9 +212,9 @@ class Int4Linear(PackedLinear):
     (0.625 B per weight); ``w = (q − 8)·scale + zero``. Kernel: kvserve's ``kvs_int4_linear`` on the
     tile layout of :func:`pack_int4_tiles` where :func:`int4_kernel` is available (``layout == "tiles"``),
     else ``torch._weight_int4pack_mm_for_cpu`` on its own packing (``layout == "torch"``). The tile
-    kernel multiplies bfloat16 x, except a single row (batch-1 decode) on a CPU with AVX512-VNNI: that
-    row is quantized to int8 per group of 32 inputs (scale max|x| / 127, as llama.cpp's Q8_1) and
-    multiplied in integers (error ≤ scale / 2 per input; see int4_gemm.c)."""
+    kernel multiplies bfloat16 x, except up to 7 rows (decode steps of small batches) on a CPU with
+    AVX512-VNNI: each row is quantized to int8 per group of 32 inputs (scale max|x| / 127, as llama.cpp's
+    Q8_1) and multiplied in integers (error ≤ scale / 2 per input; see int4_gemm.c)."""
 
     def __init__(self, block: BlockQuant, bias: torch.Tensor | None = None, dense_prefill: bool = True,
                  layout: str | None = None):
