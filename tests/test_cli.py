@@ -44,8 +44,9 @@ def test_bench_latency_tables(tmp_path):
                 "--json", str(out), "--kv-cache-dtype", "fp8_e4m3", "--weight-dtype", "int4")
     assert r.returncode == 0, r.stderr
     assert "plain read bandwidth" in r.stdout and "concurrency" in r.stdout
-    assert "(float32; matrices: 9 int4; KV fp8_e4m3)" in r.stdout  # what ran (2 layers x 4 + LM head), by flag names
+    assert "(float32; matrices: 9 int4; KV fp8_e4m3; " in r.stdout  # what ran (2 layers x 4 + LM head), by flag names
     data = json.loads(out.read_text())
+    assert data["threads"] >= 1 and f"; {data['threads']} threads)" in r.stdout  # the run's thread count
     assert [c["context_tokens"] for c in data["contexts"]] == [32, 64]
     assert data["contexts"][1]["decode_bytes_per_step"] > data["contexts"][0]["decode_bytes_per_step"]
     assert [t["concurrency"] for t in data["throughput"]] == [1, 2]
@@ -218,3 +219,16 @@ def test_bench_step_read_is_a_plain_read_of_one_steps_bytes(monkeypatch):
                                                                 step_read_gb_per_s=50.0)])
     row = format_report(rep).splitlines()[4].split()
     assert row[6:8] == ["62%", "5.00"] and row[9:11] == ["50.0", "25%"]
+    assert "% step" in format_report(rep).splitlines()[3]
+
+
+def test_anatomy_step_table_says_when_it_shows_a_sample_of_the_steps():
+    from kvserve.metrics.report import _format_steps
+    from kvserve.metrics.step_stats import StepStats
+
+    steps = [StepStats(i, 0.0, 0.01, 1, 1, 1, 80e6, 0, 0) for i in range(1, 21)]
+    text = "\n".join(_format_steps(steps, 8))
+    assert "8 of 20 steps shown, evenly spaced" in text
+    rows = [line.split()[0] for line in text.splitlines()[3:-1]]
+    assert rows[0] == "1" and rows[-1] == "20" and len(rows) == 8
+    assert "shown" not in "\n".join(_format_steps(steps[:8], 8))

@@ -50,6 +50,7 @@ class LatencyReport:
     peer: str | None = None
     contexts: list[ContextResult] = field(default_factory=list)
     setup: str = ""  # matrix storage and KV cache dtype, e.g. "matrices: 120 int4, 1 int8; KV int8"
+    threads: int = 0  # torch / kernel threads of the run (0: not recorded)
     throughput: list[ThroughputResult] = field(default_factory=list)
 
 
@@ -103,8 +104,11 @@ def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency:
     eng = llm.engine
     from kvserve.cli import _weight_kinds, kv_dtype_name
 
+    import torch
+
     report = LatencyReport(eng.model_name, str(eng.dtype).removeprefix("torch."), read_bw / 1e9,
-                           setup=f"{_weight_kinds(eng).strip().strip('()')}; KV {kv_dtype_name(eng.kv_spec)}".lstrip("; "))
+                           setup=f"{_weight_kinds(eng).strip().strip('()')}; KV {kv_dtype_name(eng.kv_spec)}".lstrip("; "),
+                           threads=torch.get_num_threads())
     llm.generate([random_prompt(16, eng.vocab_size, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     for ctx in contexts:
         report.contexts.append(run_context(llm, ctx, output_tokens, read_bw))
@@ -140,24 +144,27 @@ def _add_peer(llm, report: LatencyReport, output_tokens: int, peer: str) -> None
 def format_report(rep: LatencyReport) -> str:
     peer = rep.peer or ""
     setup = f"; {rep.setup}" if rep.setup else ""
-    lines = [f"kvserve bench latency — {rep.model} ({rep.dtype}{setup}); plain read bandwidth {rep.read_gb_per_s:.1f} GB/s",
+    threads = f"; {rep.threads} threads" if rep.threads else ""
+    lines = [f"kvserve bench latency — {rep.model} ({rep.dtype}{setup}{threads}); plain read bandwidth "
+             f"{rep.read_gb_per_s:.1f} GB/s",
              "", "batch 1" + (f" (ratios: kvserve ÷ {peer}, < 1 = kvserve faster)" if _has_peer(rep) else "") + ":",
              f"{'context':>8} {'TTFT ms':>9} {'ITL p50':>8} {'ITL p90':>8} {'MB/step':>8} {'GB/s':>6} {'% read':>7} "
-             f"{'roofline ITL':>12} {'step read':>9} {'%':>4}" + (f" {peer + ' TTFT':>14} {'ratio':>6} {peer + ' ITL':>13} {'ratio':>6}"
+             f"{'roofline ITL':>12} {'step read':>9} {'% step':>6}" + (f" {peer + ' TTFT':>14} {'ratio':>6} {peer + ' ITL':>13} {'ratio':>6}"
                                        if _has_peer(rep) else "")]
     for r in rep.contexts:
         line = (f"{r.context_tokens:>8} {r.ttft_ms:>9.1f} {r.itl_p50_ms:>8.2f} {r.itl_p90_ms:>8.2f} "
                 f"{r.decode_bytes_per_step / 1e6:>8.1f} {r.achieved_gb_per_s:>6.1f} "
                 f"{100 * r.achieved_gb_per_s / rep.read_gb_per_s:>6.0f}% {r.roofline_itl_ms:>9.2f} ms")
-        line += (f" {r.step_read_gb_per_s:>9.1f} {100 * r.achieved_gb_per_s / r.step_read_gb_per_s:>3.0f}%"
-                 if r.step_read_gb_per_s else f" {'-':>9} {'-':>4}")
+        line += (f" {r.step_read_gb_per_s:>9.1f} {100 * r.achieved_gb_per_s / r.step_read_gb_per_s:>5.0f}%"
+                 if r.step_read_gb_per_s else f" {'-':>9} {'-':>6}")
         if r.peer_itl_p50_ms is not None:
             line += (f" {r.peer_ttft_ms:>14.1f} {r.ttft_ms / r.peer_ttft_ms:>5.2f}x {r.peer_itl_p50_ms:>13.2f} "
                      f"{r.itl_p50_ms / r.peer_itl_p50_ms:>5.2f}x")
         lines.append(line)
     slope = kv_slope_gb_per_s(rep)
-    lines.append("  % read: of the 1 GiB plain read (DRAM); step read: GB/s of a plain read of one step's bytes, "
-                 "repeated (from cache where they fit), and the % of it")
+    lines += ["  GB/s: MB/step ÷ ITL; % read: of the plain read (1 GiB, from DRAM); roofline ITL: MB/step at the plain read",
+              "  step read: GB/s of a plain read of a buffer of one step's bytes, read again and again (from the cache",
+              "  where they fit, so it can beat the plain read); % step: GB/s as a share of it"]
     if slope is not None:
         lines.append(f"  ITL slope over context: {slope:.1f} GB/s of extra KV bytes per extra ms "
                      f"(plain read {rep.read_gb_per_s:.1f} GB/s; equal = attention time grows with KV bytes ÷ bandwidth)")

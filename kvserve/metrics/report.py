@@ -53,10 +53,11 @@ def _format_steps(steps: list[StepStats], max_rows: int) -> list[str]:
     decode = [s for s in steps if s.is_decode_only]
     if not decode:
         return []
-    out = ["", "  per decode step (bytes the step had to stream from memory):",
+    sampled = len(decode) > max_rows
+    pick = decode if not sampled else [decode[round(i * (len(decode) - 1) / (max_rows - 1))] for i in range(max_rows)]
+    shown = f"; {len(pick)} of {len(decode)} steps shown, evenly spaced" if sampled else ""
+    out = ["", f"  per decode step (bytes the step had to stream from memory{shown}):",
            f"  {'step':>6} {'seqs':>5} {'weights':>10} {'KV':>10} {'KV/token':>9} {'time':>9} {'achieved':>11}"]
-    pick = decode if len(decode) <= max_rows else [decode[round(i * (len(decode) - 1) / (max_rows - 1))]
-                                                    for i in range(max_rows)]
     for s in pick:
         out.append(f"  {s.step:>6} {s.num_seqs:>5} {_fmt_bytes(s.weight_bytes):>10} {_fmt_bytes(s.kv_bytes_read):>10} "
                    f"{s.kv_bytes_per_token:>7} B {s.wall_s * 1e3:>6.2f} ms {s.achieved_bytes_per_s / 1e9:>7.2f} GB/s")
