@@ -33,7 +33,7 @@ run: setup
 # Idle OpenMP threads sleep instead of spinning: the tests run servers, clients and subprocesses side
 # by side on 2 cores, where spinning threads slow everything down many times over. Two pytest workers
 # (pytest-xdist): run alone, the suite left one core idle most of the time (9-10 min on a calm host,
-# 15-19 on a busy one; 7 min with two workers).
+# 15-19 on a busy one; 7-8 min with two workers, 12 on a busy host).
 test: setup-test
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n 2
 
