@@ -220,6 +220,9 @@ def test_bench_step_read_is_a_plain_read_of_one_steps_bytes(monkeypatch):
     row = format_report(rep).splitlines()[4].split()
     assert row[6:8] == ["62%", "5.00"] and row[9:11] == ["50.0", "25%"]
     assert "% step" in format_report(rep).splitlines()[3]
+    # a step of 1 GiB or more reads from DRAM anyway: the plain read, with no buffer of the model's size
+    sizes.clear()
+    assert latency.step_read_gb_per_s(40e9, 18e9) == 18.0 and sizes == []
 
 
 def test_anatomy_step_table_says_when_it_shows_a_sample_of_the_steps():

@@ -137,7 +137,7 @@ def _q8_bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tens
 
 @needs_int4_kernel
 @pytest.mark.parametrize("T", [1, 3, 7])  # 3: one partial block of four rows; 7: a full one and a partial one
-@pytest.mark.parametrize("case", ["gaussian", "outlier", "zero group", "tiny"])
+@pytest.mark.parametrize("case", ["gaussian", "outlier", "zero group", "tiny", "1e-37"])
 def test_int4_few_rows_quantize_x_per_group_within_their_bound(case, T):
     """Up to 7 rows of x (decode batches) run on int8 activations (as llama.cpp's Q8_1): against the
     float64 x·Wᵀ of the dequantized weights within _q8_bound, and the bound is a few percent of what a
@@ -153,6 +153,8 @@ def test_int4_few_rows_quantize_x_per_group_within_their_bound(case, T):
         x[0, 64:96] = 0.0
     elif case == "tiny":
         x = x * 1e-30
+    elif case == "1e-37":  # 127 / max|x| overflows float32 below ~3.7e-37: the division path
+        x = x * 1e-37
     xb = x.to(torch.bfloat16).float()
     y = layer(xb.to(torch.bfloat16)).float()
     wd = layer.dequantize()
@@ -166,12 +168,15 @@ def test_int4_few_rows_quantize_x_per_group_within_their_bound(case, T):
 
 
 @needs_int4_kernel
-def test_int4_one_row_nan_input_gives_nan():
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_int4_one_row_nan_or_inf_input_gives_nan(bad):
+    """A non-finite input poisons its row (the int8 path cannot carry ±inf through its scale); the other
+    row of the batch is unaffected."""
     layer = Int4Linear(quantize_int4_minmax(torch.randn(32, 64)), layout="tiles", dense_prefill=False)
-    x = torch.randn(1, 64)
-    x[0, 5] = float("nan")
+    x = torch.randn(2, 64)
+    x[0, 5] = bad
     y = layer(x.to(torch.bfloat16)).float()
-    assert torch.isnan(y).all()
+    assert torch.isnan(y[0]).all() and torch.isfinite(y[1]).all()
 
 
 def test_int4_layout_errors_name_the_field():

@@ -109,19 +109,31 @@ static inline __attribute__((always_inline)) void int4_tile(const uint16_t *rec,
  * dot products (Q8_0/Q8_1): d = max|x_g| / 127, q = x / d rounded to nearest even (|q| <= 127).
  * xq [32]: the codes in the order the packed records hold each row's inputs within a chunk of 8 (see
  * int4_tile_q8): 0, 4, 1, 5, 2, 6, 3, 7. *dx = d; *cx = d · Σ q (the group sum of x as quantized).
- * A NaN in the group makes d NaN, so the output is NaN as with bf16 x. */
+ * A NaN or an infinity in the group makes d NaN, so the output row is NaN (bf16 x would give ±inf for
+ * an infinity). Below max|x| = 2^-64, where 127 / max|x| could overflow, q = x / d by division. */
 static inline __attribute__((always_inline)) void quantize_group_q8(const uint16_t *x, int8_t *xq, float *dx,
                                                                     float *cx) {
     const __m512 a = bf16x16_to_ps(x), b = bf16x16_to_ps(x + 16);
     const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q);
-    const __m512 inv = _mm512_set1_ps(m > 0.f ? 127.f / m : 0.f);
+    const __mmask16 bad = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q)
+                          | _mm512_cmp_ps_mask(_mm512_abs_ps(a), _mm512_set1_ps(INFINITY), _CMP_EQ_OQ)
+                          | _mm512_cmp_ps_mask(_mm512_abs_ps(b), _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
+    const float d0 = m / 127.f;
+    __m512 sa, sb;
+    if (m >= 0x1p-64f && !bad) {
+        const __m512 inv = _mm512_set1_ps(127.f / m);
+        sa = _mm512_mul_ps(a, inv), sb = _mm512_mul_ps(b, inv);
+    } else if (d0 > 0.f && !bad) {
+        sa = _mm512_div_ps(a, _mm512_set1_ps(d0)), sb = _mm512_div_ps(b, _mm512_set1_ps(d0));
+    } else {  /* all zeros (or a NaN / infinity: d is NaN below) */
+        sa = sb = _mm512_setzero_ps();
+    }
     const __m512i perm = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-    const __m512i qa = _mm512_permutexvar_epi32(perm, _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)));
-    const __m512i qb = _mm512_permutexvar_epi32(perm, _mm512_cvtps_epi32(_mm512_mul_ps(b, inv)));
+    const __m512i qa = _mm512_permutexvar_epi32(perm, _mm512_cvtps_epi32(sa));
+    const __m512i qb = _mm512_permutexvar_epi32(perm, _mm512_cvtps_epi32(sb));
     _mm_storeu_si128((__m128i *)xq, _mm512_cvtepi32_epi8(qa));
     _mm_storeu_si128((__m128i *)(xq + 16), _mm512_cvtepi32_epi8(qb));
-    const float d = nan ? NAN : m / 127.f;
+    const float d = bad ? NAN : d0;
     *dx = d;
     *cx = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
 }

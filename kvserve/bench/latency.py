@@ -69,10 +69,24 @@ def run_context(llm, ctx: int, output_tokens: int, read_bw: float) -> ContextRes
     decode = [s for s in eng.step_stats if s.step >= first and s.is_decode_only]
     bytes_per_step = mean([s.total_bytes for s in decode])
     achieved = sum(s.total_bytes for s in decode) / sum(s.wall_s for s in decode)
-    step_read = measure_read_bandwidth(int(bytes_per_step), repeats=10) / 1e9 if bytes_per_step >= 4 else None
+    step_read = step_read_gb_per_s(bytes_per_step, read_bw)
     return ContextResult(ctx, lat.ttft_ms, lat.mean_itl_ms, lat.percentile_itl_ms(50), lat.percentile_itl_ms(90),
                          bytes_per_step, achieved / 1e9, bytes_per_step / read_bw * 1e3,
                          step_read_gb_per_s=step_read)
+
+
+STEP_READ_MAX_BYTES = 1 << 30  # from the plain read's own size up, a step's bytes stream from DRAM anyway
+
+
+def step_read_gb_per_s(step_bytes: float, read_bw: float) -> float | None:
+    """GB/s of a plain read of a buffer of ``step_bytes`` (read again and again), or the plain read
+    ``read_bw`` (bytes/s) itself from 1 GiB up: no second model-sized buffer for big models. None below
+    4 bytes."""
+    if step_bytes < 4:
+        return None
+    if step_bytes >= STEP_READ_MAX_BYTES:
+        return read_bw / 1e9
+    return measure_read_bandwidth(int(step_bytes), repeats=10) / 1e9
 
 
 def run_concurrency(llm, c: int, prompt_tokens: int, output_tokens: int,
