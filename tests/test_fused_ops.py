@@ -104,14 +104,10 @@ def _rope_case(dtype, cache_dtype, T=5, H=9, Hkv=3, d=64, strided=False):
     return qkv, positions, rot, slots, caches, (H, Hkv, d)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, "int8", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("strided", [False, True])
-@pytest.mark.parametrize("T", [5, 40])  # 40 tokens: the threaded loop
-def test_rope_write_kv_bit_identical_to_eager(dtype, cache_dtype, strided, T, monkeypatch):
+def _rope_matches_eager(dtype, cache_dtype, T, d, strided, monkeypatch):
     """The kernel's RoPE + cache write against eager RoPE + index_copy; 1-byte caches against the plain
     PyTorch quantize (the reference write runs with the C library hidden)."""
-    qkv, pos, rot, slots, (fast_c, ref_c), (H, Hkv, d) = _rope_case(dtype, cache_dtype, T=T, strided=strided)
+    qkv, pos, rot, slots, (fast_c, ref_c), (H, Hkv, _) = _rope_case(dtype, cache_dtype, T=T, d=d, strided=strided)
     q, k, v = fused_ops.rope_write_kv(qkv, pos, rot.cos, rot.sin, *fast_c, slots, H, Hkv, d)
     monkeypatch.setattr(kv_quant_kernel, "load", lambda: None)
     rq, rk, rv = fused_ops.rope_write_kv_reference(qkv, pos, rot.cos, rot.sin, *ref_c, slots, H, Hkv, d)
@@ -125,20 +121,19 @@ def test_rope_write_kv_bit_identical_to_eager(dtype, cache_dtype, strided, T, mo
             assert a.abs().sum() > 0  # something was written
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, "int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("T", [5, 40])  # 40 tokens: the threaded loop
+def test_rope_write_kv_bit_identical_to_eager(dtype, cache_dtype, strided, T, monkeypatch):
+    _rope_matches_eager(dtype, cache_dtype, T, 64, strided, monkeypatch)
+
+
 @pytest.mark.parametrize("d", [40, 96, 8])  # half = 20: 16 lanes + a scalar tail; 48: three vectors; 4: no vector
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, "int8"])
 def test_rope_write_kv_bfloat16_any_head_dim_bit_identical(d, cache_dtype, monkeypatch):
     """The 16-lane rotation of a bfloat16 model with head dims that are not a multiple of 32."""
-    qkv, pos, rot, slots, (fast_c, ref_c), (H, Hkv, _) = _rope_case(torch.bfloat16, cache_dtype, T=20, d=d)
-    q, k, v = fused_ops.rope_write_kv(qkv, pos, rot.cos, rot.sin, *fast_c, slots, H, Hkv, d)
-    monkeypatch.setattr(kv_quant_kernel, "load", lambda: None)
-    rq, rk, rv = fused_ops.rope_write_kv_reference(qkv, pos, rot.cos, rot.sin, *ref_c, slots, H, Hkv, d)
-    assert torch.equal(q, rq) and torch.equal(k, rk) and torch.equal(v, rv)
-    for a, b in zip(fast_c, ref_c):
-        if isinstance(a, QuantizedKVCache):
-            assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
-        else:
-            assert torch.equal(a, b)
+    _rope_matches_eager(torch.bfloat16, cache_dtype, 20, d, False, monkeypatch)
 
 
 def test_rope_rotates_by_position():
