@@ -27,8 +27,8 @@
  * matmul only in summation order and in the denormal flush.
  *
  * Up to INT4_Q8_MAX_ROWS (7) rows of x (decode steps of small batches), where the CPU has AVX512-VNNI,
- * each row of x is quantized per group of 32 to
- * int8 with one float32 scale d = max|x_g| / 127 (llama.cpp's Q8_1 activations for Q4_1 weights) and each
+ * each row of x is quantized per group of 32 to int8 with one float32 scale d = max|x_g| / 127
+ * (llama.cpp's Q8_1 activations for Q4_1 weights) and each
  * group's Σ q·x_q is an exact integer from vpdpbusd on the codes as stored (int4_tile_q8). Error against the
  * dequantized float32 matmul: |x_k − d·x_q,k| ≤ d/2 per input, plus float32 roundings of the per-group
  * terms (tested with that bound). Why: the bfloat16 path spends three vector instructions per 32 weights

@@ -161,9 +161,10 @@ def quantized_paged_attention(q: torch.Tensor, key_cache: QuantizedKVCache, valu
     fresh_k = fresh_v = None
     for s in range(nd, meta.num_seqs):
         qlen, slen = meta.query_lens_list[s], meta.seq_lens_list[s]
-        if slen == qlen:  # no earlier context: its keys are this step's rows, dequantized once for all sequences
+        if slen == qlen:  # no earlier context: its keys are this step's rows, dequantized once for all of them
             if fresh_k is None:
-                fresh_k, fresh_v = (dequantized_rows(c, meta.slot_mapping).to(q.dtype) for c in (key_cache, value_cache))
+                fresh_k, fresh_v = (dequantized_rows(c, meta.slot_mapping).to(q.dtype)
+                                    for c in (key_cache, value_cache))
             ks, vs = fresh_k[start:start + qlen], fresh_v[start:start + qlen]
         else:
             ks = gather_dequantized(key_cache, meta.block_tables[s], slen)

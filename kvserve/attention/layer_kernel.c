@@ -45,7 +45,8 @@ static inline float round_to(float v, int code) { return code == 3 ? v : bf16_to
 
 /* p[off .. off + n) = v[0 .. n) stored in code (3 float32, 4 bfloat16 rounded to nearest even): store() on
  * 16 lanes */
-static inline __attribute__((always_inline)) void store_row(void *p, int64_t off, const float *v, int n, const int code) {
+static inline __attribute__((always_inline)) void store_row(void *p, int64_t off, const float *v, int n,
+                                                            const int code) {
     int i = 0;
     if (code == 3) { memcpy((float *)p + off, v, sizeof(float) * (size_t)n); return; }
 #ifdef __AVX512F__
@@ -61,7 +62,8 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
     const int half = d / 2;
     float rot[512];  /* one rotated head (d <= 512) */
 #ifdef __AVX512F__
-    float cr[256] __attribute__((aligned(64))), sr[256] __attribute__((aligned(64)));  /* this row's cos, sin as act holds them */
+    /* this row's cos and sin as the activation dtype holds them */
+    float cr[256] __attribute__((aligned(64))), sr[256] __attribute__((aligned(64)));
     const int vec = in == 4 && act == 4 ? half / 16 * 16 : 0;  /* a bfloat16 model: 16 lanes, same ops and roundings */
     for (int i = 0; i < vec; i += 16) {
         _mm512_store_ps(cr + i, ps_round_bf16(_mm512_loadu_ps(c + i)));
@@ -104,7 +106,8 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
     for (int h = 0; value_cache && h < Hkv; h++) {
         const int64_t src = row + (int64_t)(H + Hkv + h) * d;
         if (in == 4 && cache_code == 4) {  /* bfloat16 in, bfloat16 cache (act either way: exact) */
-            memcpy((uint16_t *)value_cache + (slot * Hkv + h) * d, (const uint16_t *)qkv + src, sizeof(uint16_t) * (size_t)d);
+            memcpy((uint16_t *)value_cache + (slot * Hkv + h) * d, (const uint16_t *)qkv + src,
+                   sizeof(uint16_t) * (size_t)d);
             continue;
         }
 #ifdef __AVX512F__

@@ -8,6 +8,8 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from kvserve.bench.bandwidth import measure_read_bandwidth
 from kvserve.metrics.stats import mean, percentile
 from kvserve.sampling_params import SamplingParams
@@ -118,10 +120,8 @@ def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency:
     eng = llm.engine
     from kvserve.cli import _weight_kinds, kv_dtype_name
 
-    import torch
-
-    report = LatencyReport(eng.model_name, str(eng.dtype).removeprefix("torch."), read_bw / 1e9,
-                           setup=f"{_weight_kinds(eng).strip().strip('()')}; KV {kv_dtype_name(eng.kv_spec)}".lstrip("; "),
+    setup = f"{_weight_kinds(eng).strip().strip('()')}; KV {kv_dtype_name(eng.kv_spec)}".lstrip("; ")
+    report = LatencyReport(eng.model_name, str(eng.dtype).removeprefix("torch."), read_bw / 1e9, setup=setup,
                            threads=torch.get_num_threads())
     llm.generate([random_prompt(16, eng.vocab_size, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     for ctx in contexts:
@@ -136,8 +136,6 @@ def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency:
 def _add_peer(llm, report: LatencyReport, output_tokens: int, peer: str) -> None:
     """The same prompts through the peer, after the engine's runs (never concurrently with them), in
     a process of its own with its users' OpenMP settings (:mod:`kvserve.bench.peer_process`)."""
-    import torch
-
     from kvserve.models.catalog import resolve_model
 
     eng = llm.engine
@@ -163,8 +161,8 @@ def format_report(rep: LatencyReport) -> str:
              f"{rep.read_gb_per_s:.1f} GB/s",
              "", "batch 1" + (f" (ratios: kvserve ÷ {peer}, < 1 = kvserve faster)" if _has_peer(rep) else "") + ":",
              f"{'context':>8} {'TTFT ms':>9} {'ITL p50':>8} {'ITL p90':>8} {'MB/step':>8} {'GB/s':>6} {'% read':>7} "
-             f"{'roofline ITL':>12} {'step read':>9} {'% step':>6}" + (f" {peer + ' TTFT':>14} {'ratio':>6} {peer + ' ITL':>13} {'ratio':>6}"
-                                       if _has_peer(rep) else "")]
+             f"{'roofline ITL':>12} {'step read':>9} {'% step':>6}"
+             + (f" {peer + ' TTFT':>14} {'ratio':>6} {peer + ' ITL':>13} {'ratio':>6}" if _has_peer(rep) else "")]
     for r in rep.contexts:
         line = (f"{r.context_tokens:>8} {r.ttft_ms:>9.1f} {r.itl_p50_ms:>8.2f} {r.itl_p90_ms:>8.2f} "
                 f"{r.decode_bytes_per_step / 1e6:>8.1f} {r.achieved_gb_per_s:>6.1f} "
@@ -176,7 +174,8 @@ def format_report(rep: LatencyReport) -> str:
                      f"{r.itl_p50_ms / r.peer_itl_p50_ms:>5.2f}x")
         lines.append(line)
     slope = kv_slope_gb_per_s(rep)
-    lines += ["  GB/s: MB/step ÷ ITL; % read: of the plain read (1 GiB, from DRAM); roofline ITL: MB/step at the plain read",
+    lines += ["  GB/s: MB/step ÷ ITL; % read: of the plain read (1 GiB, from DRAM); "
+              "roofline ITL: MB/step at the plain read",
               "  step read: GB/s of a plain read of a buffer of one step's bytes, read again and again (from the cache",
               "  where they fit, so it can beat the plain read); % step: GB/s as a share of it"]
     if slope is not None:
