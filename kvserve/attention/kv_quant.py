@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve import memory
 from kvserve.attention import kv_quant_kernel
 from kvserve.attention.metadata import AttentionMetadata
 
@@ -79,8 +80,8 @@ class QuantizedKVCache:
     @classmethod
     def zeros(cls, kind: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
               device: torch.device | str = "cpu") -> "QuantizedKVCache":
-        return cls(torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.uint8, device=device),
-                   torch.zeros(num_blocks, block_size, num_kv_heads, dtype=SCALE_DTYPE, device=device), kind)
+        return cls(memory.zeros((num_blocks, block_size, num_kv_heads, head_dim), torch.uint8, device),
+                   memory.zeros((num_blocks, block_size, num_kv_heads), SCALE_DTYPE, device), kind)
 
     @property
     def shape(self) -> torch.Size:

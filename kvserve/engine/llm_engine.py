@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve import memory
 from kvserve.config import ConfigError, EngineConfig, ModelConfig, parse_kv_cache_dtype
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.model_runner import ModelRunner
@@ -69,6 +70,7 @@ class LLMEngine:
         self._check_weights_fit(ckpt.config)
         self.model = build_model(ckpt.config, self.dtype, ckpt.weights, seed=config.seed)
         self.weight_kinds = self._quantize_weights(ckpt)
+        memory.model_to_huge_pages(self.model)  # after packing: the tensors a decode step streams
         if config.compile:
             from kvserve.engine.compile import compile_decoder_layers
             compile_decoder_layers(self.model)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve import memory
 from kvserve.attention import AttentionMetadata
 from kvserve.attention.kv_quant import QuantizedKVCache, kind_of_dtype
 from kvserve.engine.sampler import Sampler, SamplingRow, token_logprobs
@@ -47,7 +48,7 @@ class ModelRunner:
         kind = kind_of_dtype(spec.dtype)
         if kind is not None:
             return QuantizedKVCache.zeros(kind, *shape, device=self.device)
-        return torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        return memory.zeros(shape, spec.dtype, self.device)  # 2 MiB pages on the CPU: see kvserve/memory.py
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from kvserve import memory
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.models.linear import linear
 from kvserve.planner.hardware import Efficiency, Hardware
@@ -65,9 +66,10 @@ def _best_time(fn, repeats: int) -> float:
 
 def measure_gemv(dtype: torch.dtype, total_bytes: int = 512 << 20, rows: int = 2048, repeats: int = 5) -> float:
     """Bytes/s of y = W x over square [rows, rows] matrices totalling ``total_bytes`` (≫ L3 cache),
-    one after another as a model's layers are read."""
+    one after another as a model's layers are read, from 2 MiB pages as the engine keeps its weights
+    (kvserve/memory.py)."""
     n = max(2, total_bytes // (rows * rows * torch.empty((), dtype=dtype).element_size()))
-    mats = [torch.randn(rows, rows).to(dtype) for _ in range(n)]
+    mats = memory.move_to_huge_pages([torch.randn(rows, rows).to(dtype) for _ in range(n)])  # as the engine's
     x = torch.randn(1, rows).to(dtype)
 
     def run():
@@ -132,8 +134,9 @@ def measure_kv_read(dtype: torch.dtype, num_layers: int = 30, num_kv_heads: int 
 
     bs = 16
     nb = contexts[1] // bs
-    caches = [(torch.randn(nb, bs, num_kv_heads, head_dim).to(dtype), torch.randn(nb, bs, num_kv_heads, head_dim).to(dtype))
-              for _ in range(num_layers)]
+    flat = memory.move_to_huge_pages([torch.randn(nb, bs, num_kv_heads, head_dim).to(dtype)
+                                      for _ in range(2 * num_layers)])  # 2 MiB pages, as the engine's cache
+    caches = list(zip(flat[0::2], flat[1::2]))
     q = torch.randn(1, num_heads, head_dim).to(dtype)
     kv = torch.randn(1, num_kv_heads, head_dim).to(dtype)
     times = []
