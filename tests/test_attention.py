@@ -101,3 +101,56 @@ def test_gqa_does_not_repeat_kv(monkeypatch):
     q = torch.randn(4, 8, 8)
     paged_attention(q, torch.randn(4, 2, 8), torch.randn(4, 2, 8), kc, kc.clone(), meta, 0.3)
     assert calls == []
+
+
+def _bf16_kernel_vs_float64(num_heads, num_kv_heads, head_dim, block_size, seq_lens, seed=0):
+    """kvq_decode_attention on a bfloat16 cache with bfloat16-valued queries (k_pass_bf16: vdpbf16ps pair
+    dot products, 16 tokens reduced by one transpose) against float64 attention over the same values.
+    Slots past each sequence's end hold NaN and inf: a score loop that lets a row it does not own into
+    a score or a running max turns the output NaN."""
+    from kvserve.attention import kv_quant_kernel
+
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        pytest.skip("no C compiler: the kernel path is not built here")
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(per_seq) + 3
+    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, at = [], 0
+    for b, n in enumerate(seq_lens):
+        tables.append(perm[at:at + per_seq[b]])
+        at += per_seq[b]
+        last, used = tables[-1][-1], n - (per_seq[b] - 1) * block_size
+        kc[last, used:] = float("nan")
+        kc[last, used + 1:] = float("inf")
+        vc[last, used:] = float("nan")
+    width = max(per_seq)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    sl = torch.tensor(seq_lens, dtype=torch.int64)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(torch.bfloat16).float()
+    out = torch.empty_like(q)
+    scale = head_dim ** -0.5
+    dll.kvq_decode_attention(q.data_ptr(), kc.data_ptr(), vc.data_ptr(), None, None, bt.data_ptr(), bt.stride(0),
+                             sl.data_ptr(), out.data_ptr(), len(seq_lens), num_heads, num_kv_heads, head_dim,
+                             block_size, scale, kv_quant_kernel.CODES["bfloat16"], torch.get_num_threads(), 1)
+    G = num_heads // num_kv_heads
+    for b, n in enumerate(seq_lens):
+        slots = torch.tensor([tables[b][t // block_size] * block_size + t % block_size for t in range(n)])
+        k = kc.reshape(-1, num_kv_heads, head_dim)[slots].double()  # [n, Hkv, d]
+        v = vc.reshape(-1, num_kv_heads, head_dim)[slots].double()
+        for head in range(num_heads):
+            p = torch.softmax(k[:, head // G] @ q[b, head].double() * scale, 0)
+            want = p @ v[:, head // G]
+            assert (out[b, head].double() - want).abs().max() < 1e-5, (b, head)
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (16, 1), (2, 2), (17, 1)], ids=["G3", "G16", "G1", "G17"])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (32, 32), (128, 16), (256, 16), (64, 8)])
+def test_bfloat16_pair_dot_k_pass_against_float64(heads, head_dim, block_size):
+    """Query groups of 1, 3, 16 and 17 rows, head dims of 1-8 pair-dot vectors, blocks of one and two
+    16-token groups and of 8 (partial groups in every block); sequences of 1, 15, 16, 17 and 300 tokens
+    (partial groups, several chunks)."""
+    _bf16_kernel_vs_float64(*heads, head_dim, block_size, [1, 15, 16, 17, 300])
