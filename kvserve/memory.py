@@ -49,7 +49,10 @@ def huge_page_zeros(num_bytes: int) -> torch.Tensor:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype, device=device)``, in :func:`huge_page_zeros` memory on the CPU."""
+    """``torch.zeros(shape, dtype=dtype, device=device)``, in :func:`huge_page_zeros` memory on the CPU.
+    The kernel backs its pages as they are first written (they read as zeros before), as with
+    ``torch.empty``: a KV cache claims memory as requests fill it, not all at startup (the engine still
+    refuses one larger than physical memory, ``LLMEngine._resolve_num_blocks``)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
