@@ -81,9 +81,10 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def model_to_huge_pages(model: torch.nn.Module) -> int:
     """Move every parameter and buffer of ``model`` that owns its storage alone (dense CPU tensors no
-    other one views; tied weights once) into one huge-page arena, in module order, so a decode step streams them in address
-    order. Returns the bytes moved (0 when huge pages are off). Call before anything records the
-    tensors' data pointers (kvserve's one-call decode plan checks them and rebuilds if they move)."""
+    other one views; tied weights once) into one huge-page arena, in module order, so a decode step
+    streams them in address order. Returns the bytes moved (0 when huge pages are off). Call before
+    anything records the tensors' data pointers (kvserve's one-call decode plan checks them and
+    rebuilds if they move)."""
     if not huge_pages_enabled():
         return 0
     slots: list[tuple[torch.nn.Module, str, str, torch.Tensor]] = []
@@ -95,7 +96,8 @@ def model_to_huge_pages(model: torch.nn.Module) -> int:
     sharers = Counter(t.untyped_storage().data_ptr() for t in dense)
     # a tensor whose storage another one views (or that views one) stays put: moving it would break the alias
     unique = [t for t in dense if _owns_storage(t) and sharers[t.untyped_storage().data_ptr()] == 1]
-    slots = [s for s in slots if any(s[3] is t for t in unique)]
+    keep = {id(t) for t in unique}
+    slots = [s for s in slots if id(s[3]) in keep]
     moved = dict(zip(map(id, unique), move_to_huge_pages(unique)))
     for module, kind, name, t in slots:
         if kind == "_parameters":
