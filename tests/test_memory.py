@@ -19,17 +19,21 @@ def _thp_available() -> bool:
         return False
 
 
-def _anon_huge_kb(t: torch.Tensor) -> int:
-    """AnonHugePages (kB) of the mapping holding t's first byte, from /proc/self/smaps."""
+def _smaps_kb(t: torch.Tensor, field: str) -> int:
+    """``field`` (kB, e.g. "AnonHugePages", "Rss") of the mapping holding t's first byte, from /proc/self/smaps."""
     addr, inside = t.data_ptr(), False
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= addr < hi
-        elif inside and line.startswith("AnonHugePages:"):
+        elif inside and line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
+
+
+def _anon_huge_kb(t: torch.Tensor) -> int:
+    return _smaps_kb(t, "AnonHugePages")
 
 
 @pytest.mark.skipif(not memory.huge_pages_enabled(), reason="no MADV_HUGEPAGE on this platform")
@@ -122,6 +126,8 @@ def test_engine_kv_cache_and_weights_in_huge_pages_same_tokens(monkeypatch):
     if memory.huge_pages_enabled():
         k, v = llm.engine.runner.kv_caches[0]
         assert k.data_ptr() % memory.HUGE_PAGE_BYTES == 0 and v.data_ptr() % memory.HUGE_PAGE_BYTES == 0
+        # every page faulted in at startup (left to the first request, the faults cost it up to seconds)
+        assert _smaps_kb(k, "Rss") * 1024 >= k.numel() * k.element_size()
         w = next(llm.engine.model.parameters())
         assert w.untyped_storage().nbytes() > w.nbytes  # a view into the arena
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == plain
