@@ -5,7 +5,7 @@ On the 2-core development VM (nested paging, so each miss walks two page tables)
 
 Pages come from an anonymous private ``mmap`` asked for transparent huge pages with
 ``madvise(MADV_HUGEPAGE)`` (Linux ``/sys/kernel/mm/transparent_hugepage/enabled`` = ``always`` or
-``madvise``); elsewhere, or with ``KVSERVE_HUGE_PAGES=0``, plain ``torch.zeros`` memory is used.
+``madvise``); elsewhere, or with ``KVSERVE_HUGE_PAGES=0`` (or false/no/off), plain torch memory is used.
 """
 from __future__ import annotations
 
@@ -18,92 +18,143 @@ import torch
 
 HUGE_PAGE_BYTES = 2 << 20
 ALIGN_BYTES = 64  # every tensor placed in an arena starts on a cache line
+_OFF = ("0", "false", "no", "off")
 
 
 def huge_pages_enabled() -> bool:
     """Whether kvserve asks for huge pages: on Linux (``mmap.MADV_HUGEPAGE`` exists) unless
-    ``KVSERVE_HUGE_PAGES=0``."""
-    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("KVSERVE_HUGE_PAGES", "1") != "0"
+    ``KVSERVE_HUGE_PAGES`` is ``0``, ``false``, ``no`` or ``off`` (any case)."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("KVSERVE_HUGE_PAGES", "1").strip().lower() not in _OFF
+
+
+def nbytes(shape, dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` (an int or a sequence) and ``dtype``."""
+    return torch.Size((shape,) if isinstance(shape, int) else tuple(shape)).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+class Arena:
+    """Tensors carved one after another (64-byte aligned, the first 2 MiB-aligned) from one anonymous
+    private mapping of ``num_bytes`` advised MADV_HUGEPAGE: the kernel backs it with 2 MiB pages as
+    it is written, when it has them (otherwise with 4 KiB pages, silently). One mapping for many
+    tensors, so the 2 MiB rounding is paid once, not per tensor. Each tensor has a storage of its own
+    over its own bytes (``torch.save`` writes just those) and keeps the mapping alive. When huge pages
+    are off, or the mapping fails, each tensor is a plain ``torch.empty``. Raises ValueError for a
+    negative size or when a tensor does not fit in what is left."""
+
+    def __init__(self, num_bytes: int):
+        if num_bytes < 0:
+            raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
+        self.num_bytes, self._at, self._mm, self._base = num_bytes, 0, None, 0
+        if num_bytes == 0 or not huge_pages_enabled():
+            return
+        try:
+            # private, not shared: shared anonymous memory is shmem, which follows shmem_enabled (often never)
+            mm = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except (OSError, OverflowError, ValueError):
+            return
+        probe = ctypes.c_char.from_buffer(mm)
+        self._base = -ctypes.addressof(probe) % HUGE_PAGE_BYTES
+        del probe  # a live export would keep the mapping from ever closing
+        self._mm = mm
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """The next ``shape`` × ``dtype`` tensor of the arena (zeros unless written before)."""
+        n = nbytes(shape, dtype)
+        if self._at + n > self.num_bytes:
+            raise ValueError(f"a {n}-byte tensor does not fit: {self.num_bytes - self._at} of {self.num_bytes} bytes left")
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if self._mm is None:
+            t = torch.empty(shape, dtype=dtype)
+        elif n == 0:
+            t = torch.empty(shape, dtype=dtype)
+        else:
+            t = torch.frombuffer(self._mm, dtype=torch.uint8, count=n, offset=self._base + self._at)
+            t = t.view(dtype).view(shape)
+        self._at += _aligned(n)
+        return t
 
 
 def huge_page_zeros(num_bytes: int) -> torch.Tensor:
-    """A zero-filled uint8 CPU tensor of ``num_bytes`` bytes whose first byte is 2 MiB-aligned, in an
-    anonymous private mapping advised MADV_HUGEPAGE (the kernel backs it with 2 MiB pages as it is
-    touched, when it has them; otherwise with 4 KiB pages, silently). The tensor keeps the mapping
-    alive. Falls back to ``torch.zeros`` when huge pages are off or the mapping fails (OSError).
-    Raises ValueError for a negative size."""
-    if num_bytes < 0:
-        raise ValueError(f"num_bytes must be >= 0, got {num_bytes}")
-    if num_bytes == 0 or not huge_pages_enabled():
-        return torch.zeros(num_bytes, dtype=torch.uint8)
-    try:
-        # private, not shared: shared anonymous memory is shmem, which follows shmem_enabled (often never)
-        mm = mmap.mmap(-1, num_bytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        return torch.zeros(num_bytes, dtype=torch.uint8)
-    probe = ctypes.c_char.from_buffer(mm)
-    offset = -ctypes.addressof(probe) % HUGE_PAGE_BYTES
-    del probe  # a live export would keep the mapping from ever closing
-    return torch.frombuffer(mm, dtype=torch.uint8, count=num_bytes, offset=offset)
+    """A zero-filled uint8 CPU tensor of ``num_bytes`` bytes, 2 MiB-aligned, alone in an :class:`Arena`
+    (its pages backed as they are first written). Raises ValueError for a negative size."""
+    arena = Arena(num_bytes)
+    t = arena.empty(num_bytes, torch.uint8)
+    return t if arena._mm is not None else t.zero_()
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype, device=device)``, in :func:`huge_page_zeros` memory on the CPU,
-    every page written once here, as ``torch.zeros`` does: a KV cache claims its memory at startup.
-    Left to the first request, the faults cost it 0.5-2 s on the development VM (each first write to a
-    2 MiB page clears the whole page; a prefill touches a page in each of the 60-120 cache tensors)."""
+def zeros_many(specs: list[tuple], device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """``[torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]``, on the CPU in one
+    :class:`Arena`, every page written once here, as ``torch.zeros`` does: a KV cache claims its memory
+    at startup. Left to the first request, the faults cost it 0.5-2 s on the development VM (each first
+    write to a 2 MiB page clears the whole page; a prefill touches a page in each of the 60-120 cache
+    tensors). One arena, so a cache of many small tensors does not round each up to 2 MiB."""
     if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    t = huge_page_zeros(num_bytes)
-    t.zero_()  # fault the pages in now
-    return t.view(dtype).view(shape)
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
+    arena = Arena(sum(_aligned(nbytes(shape, dtype)) for shape, dtype in specs))
+    out = [arena.empty(shape, dtype) for shape, dtype in specs]
+    for t in out:
+        t.zero_()  # fault the pages in now
+    return out
 
 
-def _owns_storage(t: torch.Tensor) -> bool:
-    """A dense CPU tensor that is its whole storage (moving a view would split it from its base)."""
-    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and t.storage_offset() == 0
+def zeros(shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One tensor of :func:`zeros_many`."""
+    return zeros_many([(shape, dtype)], device)[0]
+
+
+def _movable(t: torch.Tensor) -> bool:
+    """A dense CPU tensor (not quantized, nested or mkldnn) that is its whole storage (moving a view
+    would split it from its base)."""
+    return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized and not t.is_nested
+            and t.is_contiguous() and t.storage_offset() == 0
             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
 def move_to_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors`` (dense, contiguous, CPU) packed into one :func:`huge_page_zeros` arena,
-    each 64-byte aligned, same shapes, dtypes and values."""
-    sizes = [-(-t.numel() * t.element_size() // ALIGN_BYTES) * ALIGN_BYTES for t in tensors]
-    arena = huge_page_zeros(sum(sizes))
-    out, at = [], 0
-    for t, size in zip(tensors, sizes):
-        copy = arena[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)  # [*t.shape]
-        copy.copy_(t)
-        out.append(copy)
-        at += size
-    return out
+    """Copies of ``tensors`` (dense, contiguous, CPU) in one :class:`Arena`, same shapes, dtypes and
+    values."""
+    arena = Arena(sum(_aligned(t.numel() * t.element_size()) for t in tensors))
+    return [arena.empty(t.shape, t.dtype).copy_(t) for t in tensors]
 
 
 def model_to_huge_pages(model: torch.nn.Module) -> int:
     """Move every parameter and buffer of ``model`` that owns its storage alone (dense CPU tensors no
-    other one views; tied weights once) into one huge-page arena, in module order, so a decode step
-    streams them in address order. Returns the bytes moved (0 when huge pages are off). Call before
-    anything records the tensors' data pointers (kvserve's one-call decode plan checks them and
-    rebuilds if they move)."""
+    other one views; tied weights once) into one :class:`Arena`, in module order, so a decode step
+    streams them in address order. Each original is released as soon as its copy is in place, so the
+    peak is the weights plus one tensor, not twice the weights (as long as nothing else holds them).
+    Returns the bytes moved (0 when huge pages are off). Call before anything records the tensors'
+    data pointers (kvserve's one-call decode plan checks them and rebuilds if they move)."""
     if not huge_pages_enabled():
         return 0
-    slots: list[tuple[torch.nn.Module, str, str, torch.Tensor]] = []
+    slots: dict[int, list[tuple[torch.nn.Module, str, str]]] = {}
+    tensors: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for kind in ("_parameters", "_buffers"):
-            slots += [(module, kind, name, t) for name, t in getattr(module, kind).items() if t is not None]
-    tensors = {id(t): t for *_, t in slots}
-    dense = [t for t in tensors.values() if t.device.type == "cpu" and t.layout == torch.strided]  # not mkldnn
-    sharers = Counter(t.untyped_storage().data_ptr() for t in dense)
+            for name, t in getattr(module, kind).items():
+                if t is not None:
+                    tensors[id(t)] = t
+                    slots.setdefault(id(t), []).append((module, kind, name))
+    dense = [k for k, t in tensors.items() if t.device.type == "cpu" and t.layout == torch.strided
+             and not t.is_quantized and not t.is_nested]  # mkldnn, quantized, nested: no storage to move
+    sharers = Counter(tensors[k].untyped_storage().data_ptr() for k in dense)
     # a tensor whose storage another one views (or that views one) stays put: moving it would break the alias
-    unique = [t for t in dense if _owns_storage(t) and sharers[t.untyped_storage().data_ptr()] == 1]
-    keep = {id(t) for t in unique}
-    slots = [s for s in slots if id(s[3]) in keep]
-    moved = dict(zip(map(id, unique), move_to_huge_pages(unique)))
-    for module, kind, name, t in slots:
-        if kind == "_parameters":
-            t.data = moved[id(t)]  # the Parameter object (and every module sharing it) stays
-        else:
-            module._buffers[name] = moved[id(t)]
-    return sum(t.numel() * t.element_size() for t in unique)
+    keys = [k for k in dense if _movable(tensors[k]) and sharers[tensors[k].untyped_storage().data_ptr()] == 1]
+    del dense, sharers
+    arena = Arena(sum(_aligned(tensors[k].numel() * tensors[k].element_size()) for k in keys))
+    moved = 0
+    for k in keys:
+        t = tensors.pop(k)
+        copy = arena.empty(t.shape, t.dtype).copy_(t)
+        moved += t.numel() * t.element_size()
+        for module, kind, name in slots[k]:
+            if kind == "_parameters":
+                t.data = copy  # the Parameter object (and every module sharing it) stays
+            else:
+                module._buffers[name] = copy
+        del t, copy  # the old storage goes now, not after every copy
+    return moved

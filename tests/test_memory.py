@@ -1,5 +1,7 @@
 """kvserve/memory.py: weights and KV cache in 2 MiB pages, same values, same tokens."""
 import gc
+import io
+import mmap
 import os
 
 import pytest
@@ -109,11 +111,48 @@ def test_model_to_huge_pages_keeps_ties_views_and_outputs():
     assert moved == expect  # the tied weight once; the buffer with a view of it not at all
     assert m.embed.weight is weight and m.head.weight.data_ptr() == m.embed.weight.data_ptr()
     assert m.embed.weight.data_ptr() % memory.HUGE_PAGE_BYTES == 0  # the arena's first tensor
-    assert m.proj.weight.untyped_storage().data_ptr() == m.embed.weight.untyped_storage().data_ptr()
+    assert 0 < m.proj.weight.data_ptr() - m.embed.weight.data_ptr() < memory.HUGE_PAGE_BYTES  # next in it
     assert m.top.data_ptr() == m.table.data_ptr()  # still a view of table
     assert m.prepacked.layout == torch._mkldnn
     assert torch.equal(m(ids), want)
-    assert memory.model_to_huge_pages(m) == 0  # arena views do not own their storage: nothing moves twice
+    buf = io.BytesIO()  # one storage per tensor: torch.save takes the mixed dtypes, and only their bytes
+    torch.save({k: v for k, v in m.state_dict().items() if v.layout == torch.strided}, buf)
+    assert buf.tell() < 20_000
+    m2 = _Tied()
+    m2.load_state_dict(torch.load(io.BytesIO(buf.getvalue())), strict=False)
+    assert torch.equal(m2.embed.weight, m.embed.weight)
+
+
+def test_model_to_huge_pages_leaves_quantized_and_nested_buffers():
+    m = torch.nn.Linear(4, 4)
+    m.register_buffer("q", torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8))
+    m.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+    m.register_buffer("n", torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]))
+    memory.model_to_huge_pages(m)
+    assert m.q.is_quantized and m.n.is_nested
+
+
+@pytest.mark.skipif(not memory.huge_pages_enabled(), reason="no MADV_HUGEPAGE on this platform")
+def test_zeros_many_share_one_mapping():
+    """Many small cache tensors in one arena: not one 2 MiB-rounded mapping each."""
+    ts = memory.zeros_many([((16,), torch.float32)] * 100 + [((3, 5), torch.bfloat16)])
+    assert all(int(t.count_nonzero()) == 0 for t in ts) and ts[-1].shape == (3, 5)
+    assert ts[-1].data_ptr() - ts[0].data_ptr() == 100 * memory.ALIGN_BYTES
+    assert _smaps_kb(ts[0], "Rss") <= 2048 + 4  # written at startup: one page, not 100
+    with pytest.raises(ValueError, match="does not fit"):
+        memory.Arena(64).empty((17,), torch.float32)
+
+
+@pytest.mark.parametrize("value,on", [("0", False), ("off", False), (" False ", False), ("no", False),
+                                      ("1", True), ("", True)])
+def test_switch_values(value, on, monkeypatch):
+    monkeypatch.setenv("KVSERVE_HUGE_PAGES", value)
+    assert memory.huge_pages_enabled() == (on and hasattr(mmap, "MADV_HUGEPAGE"))
+
+
+def test_impossible_size_fails_cleanly():
+    with pytest.raises((RuntimeError, ValueError)):
+        memory.huge_page_zeros(1 << 63)
 
 
 def test_engine_kv_cache_and_weights_in_huge_pages_same_tokens(monkeypatch):
@@ -125,11 +164,13 @@ def test_engine_kv_cache_and_weights_in_huge_pages_same_tokens(monkeypatch):
     llm = tiny_llm(kv_cache_memory="8MiB")
     if memory.huge_pages_enabled():
         k, v = llm.engine.runner.kv_caches[0]
-        assert k.data_ptr() % memory.HUGE_PAGE_BYTES == 0 and v.data_ptr() % memory.HUGE_PAGE_BYTES == 0
+        assert k.data_ptr() % memory.HUGE_PAGE_BYTES == 0  # the first cache tensor opens the arena
+        assert v.data_ptr() == k.data_ptr() + k.numel() * k.element_size()  # and the next one follows
         # every page faulted in at startup (left to the first request, the faults cost it up to seconds)
         assert _smaps_kb(k, "Rss") * 1024 >= k.numel() * k.element_size()
-        w = next(llm.engine.model.parameters())
-        assert w.untyped_storage().nbytes() > w.nbytes  # a view into the arena
+        m = llm.engine.model
+        ptrs = [t.data_ptr() for t in (*m.parameters(), *m.buffers()) if t.layout == torch.strided]
+        assert min(ptrs) % memory.HUGE_PAGE_BYTES == 0  # the weights arena's first tensor
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == plain
 
 
@@ -138,6 +179,7 @@ def test_int8_kv_cache_in_huge_pages():
     llm = tiny_llm(kv_cache_memory="8MiB", kv_cache_dtype="int8")
     k, _ = llm.engine.runner.kv_caches[0]
     if memory.huge_pages_enabled():
-        assert k.codes.data_ptr() % memory.HUGE_PAGE_BYTES == 0 and k.scale.data_ptr() % memory.HUGE_PAGE_BYTES == 0
+        assert k.codes.data_ptr() % memory.HUGE_PAGE_BYTES == 0  # codes and scales in one arena
+        assert k.scale.data_ptr() == k.codes.data_ptr() + k.codes.numel()
     out = llm.generate([[5, 9, 33]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4

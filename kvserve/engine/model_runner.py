@@ -16,7 +16,7 @@ import torch
 
 from kvserve import memory
 from kvserve.attention import AttentionMetadata
-from kvserve.attention.kv_quant import QuantizedKVCache, kind_of_dtype
+from kvserve.attention.kv_quant import SCALE_DTYPE, QuantizedKVCache, kind_of_dtype
 from kvserve.engine.sampler import Sampler, SamplingRow, token_logprobs
 from kvserve.engine.scheduler import RunnerOutput, SchedulerOutput
 from kvserve.spec_decode.verify import verify
@@ -31,24 +31,29 @@ class ModelRunner:
         self.device = torch.device(device)
         self.num_blocks = num_blocks
         self.groups = kv_spec.groups
+        # every cache tensor in one arena of 2 MiB pages (kvserve/memory.py), not one mapping each
+        num_caches = (kv_spec.num_layers if kv_spec.attention == "mla"
+                      else 2 * (kv_spec.layers_per_block if len(self.groups) > 1 else kv_spec.num_layers))
+        caches = iter(self._alloc_caches(num_caches))
         if kv_spec.attention == "mla":
-            self.kv_caches = [self._alloc_cache() for _ in range(kv_spec.num_layers)]
+            self.kv_caches = [next(caches) for _ in range(kv_spec.num_layers)]
         elif len(self.groups) > 1:  # tensor slot i holds the i-th layer of every group
-            slots = [(self._alloc_cache(), self._alloc_cache()) for _ in range(kv_spec.layers_per_block)]
+            slots = [(next(caches), next(caches)) for _ in range(kv_spec.layers_per_block)]
             slot_of = {layer: i for g in self.groups for i, layer in enumerate(g.layer_ids)}
             self.kv_caches = [slots[slot_of[layer]] for layer in range(kv_spec.num_layers)]
         else:
-            self.kv_caches = [(self._alloc_cache(), self._alloc_cache()) for _ in range(kv_spec.num_layers)]
+            self.kv_caches = [(next(caches), next(caches)) for _ in range(kv_spec.num_layers)]
         self.sampler = Sampler()
 
-    def _alloc_cache(self):
-        """One layer's K or V (or MLA latent) cache: a float tensor, or QuantizedKVCache (1-byte codes + scales)."""
+    def _alloc_caches(self, n: int) -> list:
+        """n layer caches (K, V or MLA latent): float tensors, or QuantizedKVCache (1-byte codes + scales)."""
         spec = self.kv_spec
         shape = (self.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         kind = kind_of_dtype(spec.dtype)
-        if kind is not None:
-            return QuantizedKVCache.zeros(kind, *shape, device=self.device)
-        return memory.zeros(shape, spec.dtype, self.device)  # 2 MiB pages on the CPU: see kvserve/memory.py
+        if kind is None:
+            return memory.zeros_many([(shape, spec.dtype)] * n, self.device)
+        flat = memory.zeros_many([(shape, torch.uint8), (shape[:3], SCALE_DTYPE)] * n, self.device)
+        return [QuantizedKVCache(flat[2 * i], flat[2 * i + 1], kind) for i in range(n)]
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
