@@ -29,7 +29,8 @@ def huge_pages_enabled() -> bool:
 
 def nbytes(shape, dtype: torch.dtype) -> int:
     """Bytes of a tensor of ``shape`` (an int or a sequence) and ``dtype``."""
-    return torch.Size((shape,) if isinstance(shape, int) else tuple(shape)).numel() * torch.empty((), dtype=dtype).element_size()
+    numel = torch.Size((shape,) if isinstance(shape, int) else tuple(shape)).numel()
+    return numel * torch.empty((), dtype=dtype).element_size()
 
 
 def _aligned(n: int) -> int:
@@ -66,7 +67,8 @@ class Arena:
         """The next ``shape`` × ``dtype`` tensor of the arena (zeros unless written before)."""
         n = nbytes(shape, dtype)
         if self._at + n > self.num_bytes:
-            raise ValueError(f"a {n}-byte tensor does not fit: {self.num_bytes - self._at} of {self.num_bytes} bytes left")
+            raise ValueError(f"a {n}-byte tensor does not fit: {self.num_bytes - self._at} of {self.num_bytes} "
+                             "bytes left")
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if self._mm is None:
             t = torch.empty(shape, dtype=dtype)

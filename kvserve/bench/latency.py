@@ -174,8 +174,8 @@ def format_report(rep: LatencyReport) -> str:
                      f"{r.itl_p50_ms / r.peer_itl_p50_ms:>5.2f}x")
         lines.append(line)
     slope = kv_slope_gb_per_s(rep)
-    lines += ["  GB/s: bytes ÷ wall time of the decode-only steps (≈ MB/step ÷ mean ITL); % read: of the plain read "
-              "(1 GiB, from DRAM); roofline ITL: MB/step at the plain read",
+    lines += ["  GB/s: bytes ÷ wall time of the decode-only steps (≈ MB/step ÷ mean ITL); "
+              "% read: of the plain read (1 GiB, from DRAM); roofline ITL: MB/step at the plain read",
               "  step read: GB/s of a plain read of a buffer of one step's bytes, read again and again (from the cache",
               "  where they fit, so it can beat the plain read); % step: GB/s as a share of it"]
     if slope is not None:
