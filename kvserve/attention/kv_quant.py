@@ -80,8 +80,14 @@ class QuantizedKVCache:
     @classmethod
     def zeros(cls, kind: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
               device: torch.device | str = "cpu") -> "QuantizedKVCache":
-        return cls(memory.zeros((num_blocks, block_size, num_kv_heads, head_dim), torch.uint8, device),
-                   memory.zeros((num_blocks, block_size, num_kv_heads), SCALE_DTYPE, device), kind)
+        codes, scale = memory.zeros_many(cls.tensor_specs((num_blocks, block_size, num_kv_heads, head_dim)), device)
+        return cls(codes, scale, kind)
+
+    @staticmethod
+    def tensor_specs(shape: tuple[int, int, int, int]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """[(shape, dtype)] of the codes and the scales of a cache of ``shape`` [num_blocks, block_size,
+        num_kv_heads, head_dim], for :func:`kvserve.memory.zeros_many`."""
+        return [(tuple(shape), torch.uint8), (tuple(shape[:3]), SCALE_DTYPE)]
 
     @property
     def shape(self) -> torch.Size:

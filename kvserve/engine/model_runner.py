@@ -16,7 +16,7 @@ import torch
 
 from kvserve import memory
 from kvserve.attention import AttentionMetadata
-from kvserve.attention.kv_quant import SCALE_DTYPE, QuantizedKVCache, kind_of_dtype
+from kvserve.attention.kv_quant import QuantizedKVCache, kind_of_dtype
 from kvserve.engine.sampler import Sampler, SamplingRow, token_logprobs
 from kvserve.engine.scheduler import RunnerOutput, SchedulerOutput
 from kvserve.spec_decode.verify import verify
@@ -52,7 +52,7 @@ class ModelRunner:
         kind = kind_of_dtype(spec.dtype)
         if kind is None:
             return memory.zeros_many([(shape, spec.dtype)] * n, self.device)
-        flat = memory.zeros_many([(shape, torch.uint8), (shape[:3], SCALE_DTYPE)] * n, self.device)
+        flat = memory.zeros_many(QuantizedKVCache.tensor_specs(shape) * n, self.device)
         return [QuantizedKVCache(flat[2 * i], flat[2 * i + 1], kind) for i in range(n)]
 
     @torch.inference_mode()
