@@ -50,12 +50,8 @@ typedef uint8_t v16b __attribute__((vector_size(16)));
  * values, tested for every fp8 code) */
 static inline __attribute__((always_inline)) v16f load16(const uint8_t *p, const int code) {
     if (code == 3) { v16f v; memcpy(&v, p, sizeof v); return v; }
-    if (code == 4) {
-        v16h h;
-        memcpy(&h, p, sizeof h);
-        return (v16f)(__builtin_convertvector(h, v16u) << 16);
-    }
-#ifdef __AVX512F__  /* GCC lowers the generic byte -> int conversion to scalar inserts */
+#ifdef __AVX512F__  /* GCC lowers the generic conversions to 128-bit pieces (bf16) or scalar inserts (bytes) */
+    if (code == 4) return (v16f)bf16x16_to_ps((const uint16_t *)p);
     const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
     if (code == 0) return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
     /* fp8 through float16 (vcvtph2ps): e5m2 is a float16's top byte; e4m3's 7 magnitude bits placed at
@@ -68,6 +64,11 @@ static inline __attribute__((always_inline)) v16f load16(const uint8_t *p, const
                                       _mm256_slli_epi16(_mm256_and_si256(x16, _mm256_set1_epi16(0x80)), 8));
     return (v16f)_mm512_cvtph_ps(h) * 256.f;
 #else
+    if (code == 4) {
+        v16h h;
+        memcpy(&h, p, sizeof h);
+        return (v16f)(__builtin_convertvector(h, v16u) << 16);
+    }
     if (code == 0) {
         v16c c;
         memcpy(&c, p, sizeof c);
@@ -360,7 +361,17 @@ static inline __attribute__((always_inline)) void attend_chunk(
         float z = 0.f;
         float *sg = scores + g * L;
         const float m = mx[g];
-        for (int64_t t = 0; t < L; t++) { const float e = exp_nonpos(sg[t] - m); sg[t] = e; z += e; }
+        int64_t t = 0;
+#ifdef __AVX512F__  /* 16 lanes of partial sums: a single running sum is a chain of dependent adds */
+        __m512 zv = _mm512_setzero_ps();
+        for (; t + 16 <= L; t += 16) {
+            const __m512 e = exp_nonpos_ps(_mm512_sub_ps(_mm512_loadu_ps(sg + t), _mm512_set1_ps(m)));
+            _mm512_storeu_ps(sg + t, e);
+            zv = _mm512_add_ps(zv, e);
+        }
+        z = _mm512_reduce_add_ps(zv);
+#endif
+        for (; t < L; t++) { const float e = exp_nonpos(sg[t] - m); sg[t] = e; z += e; }
         sum[g] = z;
     }
     if (d % 16 == 0 && d <= 256) {  /* accumulators in registers; the code a constant in each copy */
