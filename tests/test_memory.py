@@ -183,3 +183,17 @@ def test_int8_kv_cache_in_huge_pages():
         assert k.scale.data_ptr() == k.codes.data_ptr() + k.codes.numel()
     out = llm.generate([[5, 9, 33]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.skipif(os.environ.get("KVSERVE_HUGE_PAGES") == "0", reason="huge pages switched off")
+def test_draft_model_weights_in_huge_pages():
+    """A draft model's decode steps stream its weights as the target's do: they move into an arena too."""
+    llm = tiny_llm(speculative_method="draft", draft_model="tiny-llama", draft_load_format="dummy",
+                   num_speculative_tokens=2, kv_cache_memory="8MiB")
+    draft = llm.engine.speculator.proposer.runner.model
+    ptrs = [t.data_ptr() for t in (*draft.parameters(), *draft.buffers()) if t.layout == torch.strided]
+    if memory.huge_pages_enabled():
+        assert min(ptrs) % memory.HUGE_PAGE_BYTES == 0  # the draft's own weights arena
+        assert min(ptrs) != min(t.data_ptr() for t in llm.engine.model.parameters())
+    out = llm.generate([[5, 9, 33]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6

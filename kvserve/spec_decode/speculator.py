@@ -63,6 +63,7 @@ def build_speculator(config: SpecDecodeConfig, target_vocab_size: int, dtype: to
     if config.method == "ngram":
         return Speculator(config, NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                                 config.prompt_lookup_max))
+    from kvserve import memory
     from kvserve.kv_cache.spec import KVCacheSpec
     from kvserve.models.catalog import resolve_model
     from kvserve.models.loader import load_checkpoint
@@ -74,6 +75,7 @@ def build_speculator(config: SpecDecodeConfig, target_vocab_size: int, dtype: to
         raise ConfigError(f"draft_model vocabulary ({ckpt.config.vocab_size}) differs from the target's "
                           f"({target_vocab_size}); they must share a tokenizer")
     model = build_model(ckpt.config, dtype, ckpt.weights, seed=seed)
+    memory.model_to_huge_pages(model)  # the draft's decode steps stream its weights too
     kv_spec = KVCacheSpec.from_model(ckpt.config, dtype, 16)
     num_blocks = max(16, config.draft_kv_cache_memory_bytes // kv_spec.bytes_per_block)
     return Speculator(config, DraftModelProposer(model, kv_spec, num_blocks, config.num_speculative_tokens))
