@@ -38,7 +38,8 @@ def reference_paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_ca
         v = v.repeat_interleave(group, dim=1)
         qs = q[start:start + qlen].double()  # [qlen, H, d]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        kpos, qpos = torch.arange(lo, slen)[None, :], (ctx + torch.arange(qlen))[:, None]
+        kpos = torch.arange(lo, slen, device=q.device)[None, :]  # on q's device: the oracle runs on GPU too
+        qpos = (ctx + torch.arange(qlen, device=q.device))[:, None]
         allowed = (kpos <= qpos) & (kpos > qpos - W) if W else kpos <= qpos
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
