@@ -46,8 +46,10 @@ def load() -> ctypes.CDLL | None:
             cache.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
+            # ~50 s of CPU; on a host at load 5 it took 2 min 38 s of wall time, past the old 120 s limit,
+            # and every kernel test skipped as if there were no compiler
             subprocess.run([os.environ.get("CC", "cc"), *_FLAGS, *map(str, _SRCS), "-o", tmp, "-lm"], check=True,
-                           capture_output=True, timeout=120)
+                           capture_output=True, timeout=900)
             os.replace(tmp, lib)  # atomic: concurrent processes never load a half-written file
         except (OSError, subprocess.SubprocessError):
             return None
