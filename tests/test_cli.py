@@ -46,7 +46,8 @@ def test_bench_latency_tables(tmp_path):
     assert "plain read bandwidth" in r.stdout and "concurrency" in r.stdout
     assert "(float32; matrices: 9 int4; KV fp8_e4m3; " in r.stdout  # what ran (2 layers x 4 + LM head), by flag names
     data = json.loads(out.read_text())
-    assert data["threads"] >= 1 and f"; {data['threads']} threads)" in r.stdout  # the run's thread count
+    n = data["threads"]
+    assert n >= 1 and f"; {n} thread{'s' if n != 1 else ''})" in r.stdout  # the run's thread count, "1 thread" singular
     assert [c["context_tokens"] for c in data["contexts"]] == [32, 64]
     assert data["contexts"][1]["decode_bytes_per_step"] > data["contexts"][0]["decode_bytes_per_step"]
     assert [t["concurrency"] for t in data["throughput"]] == [1, 2]

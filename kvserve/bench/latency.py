@@ -156,7 +156,7 @@ def _add_peer(llm, report: LatencyReport, output_tokens: int, peer: str) -> None
 def format_report(rep: LatencyReport) -> str:
     peer = rep.peer or ""
     setup = f"; {rep.setup}" if rep.setup else ""
-    threads = f"; {rep.threads} threads" if rep.threads else ""
+    threads = f"; {rep.threads} thread{'s' if rep.threads != 1 else ''}" if rep.threads else ""
     lines = [f"kvserve bench latency — {rep.model} ({rep.dtype}{setup}{threads}); plain read bandwidth "
              f"{rep.read_gb_per_s:.1f} GB/s",
              "", "batch 1" + (f" (ratios: kvserve ÷ {peer}, < 1 = kvserve faster)" if _has_peer(rep) else "") + ":",
