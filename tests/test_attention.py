@@ -154,3 +154,29 @@ def test_bfloat16_pair_dot_k_pass_against_float64(heads, head_dim, block_size):
     16-token groups and of 8 (partial groups in every block); sequences of 1, 15, 16, 17 and 300 tokens
     (partial groups, several chunks)."""
     _bf16_kernel_vs_float64(*heads, head_dim, block_size, [1, 15, 16, 17, 300])
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16"])
+@pytest.mark.parametrize("nan_at,seq_len", [(3, 15), (3, 16), (3, 33), (32, 33)],
+                         ids=["tail-only", "vector-16", "vector-33", "tail-33"])
+def test_nan_key_inside_sequence_reaches_the_output(kind, nan_at, seq_len):
+    """A NaN in a key the sequence owns makes that KV head's outputs NaN, as in float64 attention,
+    wherever the token falls: in the softmax's 16-lane part (its exp clamps x to >= -87 with a max
+    that must keep NaN) or in its scalar tail. Other KV heads stay finite."""
+    from kvserve.attention import kv_quant_kernel
+
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        pytest.skip("no C compiler: the kernel path is not built here")
+    dtype = getattr(torch, kind)
+    g = torch.Generator().manual_seed(1)
+    H, Hkv, d, bs = 4, 2, 64, 16
+    nb = -(-seq_len // bs)
+    kc = torch.randn(nb, bs, Hkv, d, generator=g).to(dtype)
+    vc = torch.randn(nb, bs, Hkv, d, generator=g).to(dtype)
+    kc[nan_at // bs, nan_at % bs, 0, 5] = float("nan")  # KV head 0 only
+    bt = torch.arange(nb, dtype=torch.int64)[None]
+    q = torch.randn(1, H, d, generator=g).to(torch.bfloat16).float()
+    out = kv_quant_kernel.float_decode_attention(dll, q, kc, vc, bt, torch.tensor([seq_len]), d ** -0.5)
+    assert out[0, :2].isnan().all()  # query heads 0 and 1 read KV head 0
+    assert out[0, 2:].isfinite().all()

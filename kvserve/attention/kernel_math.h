@@ -63,7 +63,7 @@ static inline void ps_store_bf16(uint16_t *p, __m512 v) {
 
 /* exp_nonpos on 16 lanes: the same operations in the same order */
 static inline __m512 exp_nonpos_ps(__m512 x) {
-    const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-87.f), x);  /* maxps returns its 2nd operand for NaN: kept */
     const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
