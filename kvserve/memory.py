@@ -159,4 +159,15 @@ def model_to_huge_pages(model: torch.nn.Module) -> int:
             else:
                 module._buffers[name] = copy
         del t, copy  # the old storage goes now, not after every copy
+    release_freed_heap()
     return moved
+
+
+def release_freed_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc ``malloc_trim(0)``; nothing elsewhere). glibc
+    keeps freed chunks resident: after the move the originals' pages stayed in the process, SmolLM2 as a
+    speculative draft +0.5 GiB of RSS and the target's own weights ~80 MiB."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: musl, macOS
+        pass
