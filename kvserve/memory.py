@@ -70,9 +70,7 @@ class Arena:
             raise ValueError(f"a {n}-byte tensor does not fit: {self.num_bytes - self._at} of {self.num_bytes} "
                              "bytes left")
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        if self._mm is None:
-            t = torch.empty(shape, dtype=dtype)
-        elif n == 0:
+        if self._mm is None or n == 0:
             t = torch.empty(shape, dtype=dtype)
         else:
             t = torch.frombuffer(self._mm, dtype=torch.uint8, count=n, offset=self._base + self._at)
@@ -109,11 +107,9 @@ def zeros(shape, dtype: torch.dtype, device: torch.device | str = "cpu") -> torc
     return zeros_many([(shape, dtype)], device)[0]
 
 
-def _movable(t: torch.Tensor) -> bool:
-    """A dense CPU tensor (not quantized, nested or mkldnn) that is its whole storage (moving a view
-    would split it from its base)."""
-    return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized and not t.is_nested
-            and t.is_contiguous() and t.storage_offset() == 0
+def _whole_storage(t: torch.Tensor) -> bool:
+    """A dense tensor that is its whole storage (moving a view would split it from its base)."""
+    return (t.is_contiguous() and t.storage_offset() == 0
             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
@@ -128,7 +124,8 @@ def model_to_huge_pages(model: torch.nn.Module) -> int:
     """Move every parameter and buffer of ``model`` that owns its storage alone (dense CPU tensors no
     other one views; tied weights once) into one :class:`Arena`, in module order, so a decode step
     streams them in address order. Each original is released as soon as its copy is in place, so the
-    peak is the weights plus one tensor, not twice the weights (as long as nothing else holds them).
+    peak is the weights plus one tensor, not twice the weights (as long as nothing else holds them),
+    and the heap's free pages are handed back at the end (:func:`release_freed_heap`).
     Returns the bytes moved (0 when huge pages are off). Call before anything records the tensors'
     data pointers (kvserve's one-call decode plan checks them and rebuilds if they move)."""
     if not huge_pages_enabled():
@@ -145,7 +142,7 @@ def model_to_huge_pages(model: torch.nn.Module) -> int:
              and not t.is_quantized and not t.is_nested]  # mkldnn, quantized, nested: no storage to move
     sharers = Counter(tensors[k].untyped_storage().data_ptr() for k in dense)
     # a tensor whose storage another one views (or that views one) stays put: moving it would break the alias
-    keys = [k for k in dense if _movable(tensors[k]) and sharers[tensors[k].untyped_storage().data_ptr()] == 1]
+    keys = [k for k in dense if _whole_storage(tensors[k]) and sharers[tensors[k].untyped_storage().data_ptr()] == 1]
     del dense, sharers
     arena = Arena(sum(_aligned(tensors[k].numel() * tensors[k].element_size()) for k in keys))
     moved = 0
