@@ -289,7 +289,8 @@ class SpecDecodeConfig:
     """Speculative decoding: ``method`` None (off), 'ngram' (prompt lookup) or 'draft' (a smaller model,
     ``draft_model``, sharing the target's vocabulary). ``num_speculative_tokens`` = k proposals per step.
     A sequence stops speculating when, after ``min_drafts`` drafts, fewer than ``min_acceptance_rate``
-    of its proposals were accepted."""
+    of its proposals were accepted. Raises ConfigError for a ``draft_model`` with any other method
+    (it would be silently ignored)."""
 
     method: str | None = None
     num_speculative_tokens: int = 3
@@ -304,6 +305,9 @@ class SpecDecodeConfig:
     def validate(self) -> "SpecDecodeConfig":
         if self.method not in (None, "ngram", "draft"):
             raise ConfigError(f"speculative_method must be ngram or draft, got {self.method!r}")
+        if self.draft_model and self.method != "draft":  # else the draft would be ignored without a word
+            raise ConfigError(f"draft_model {self.draft_model!r} is used only with speculative_method 'draft', "
+                              f"got speculative_method {self.method!r}")
         if self.method is None:
             return self
         _require_int("num_speculative_tokens", self.num_speculative_tokens)

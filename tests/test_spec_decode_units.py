@@ -45,3 +45,17 @@ def test_rejection_sampling_first_token_matches_target_distribution():
         assert _chi2(counts, p.tolist(), n) < CHI2_5DOF_P001, counts
     # a sampler that ignored rejection (always keeping the proposal) fails the same test
     assert _chi2([0, 0, 0, n, 0, 0], p.tolist(), n) > CHI2_5DOF_P001
+
+
+def test_draft_model_without_draft_method_is_an_error():
+    """A draft model named beside ngram (or no method) would be ignored without a word: ConfigError
+    naming both fields. With method 'draft' the same config validates."""
+    import pytest
+
+    from kvserve.config import ConfigError, SpecDecodeConfig
+
+    for method in ("ngram", None):
+        with pytest.raises(ConfigError, match=r"draft_model 'tiny-llama'.*speculative_method 'draft'"):
+            SpecDecodeConfig(method=method, draft_model="tiny-llama").validate()
+    assert SpecDecodeConfig(method="draft", draft_model="tiny-llama").validate().draft_model == "tiny-llama"
+    assert SpecDecodeConfig(method="ngram").validate().method == "ngram"
