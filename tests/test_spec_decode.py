@@ -107,3 +107,18 @@ def test_ngram_on_real_model_copy_prompt_is_identical_and_mostly_accepted(smollm
     assert got == ref
     s = spec.engine.scheduler.spec_stats
     assert s.num_drafts > 10 and s.acceptance_rate > 0.5
+
+
+def test_verification_steps_count_as_decode_steps():
+    """A verification step (one new token + k proposals per sequence) is a decode step: its tokens are
+    not prompt tokens (they fed Prometheus' prompt_tokens_total and hid the step from the anatomy's
+    per-step table). Oracle: the prompts' own token counts."""
+    from kvserve.metrics.report import format_anatomy
+
+    llm = tiny_llm(speculative_method="ngram", num_speculative_tokens=3)
+    _, outs = _run(llm, PROMPTS[:1])
+    steps = llm.engine.step_stats
+    assert sum(s.num_prefill_tokens for s in steps) == len(outs[0].prompt_token_ids)
+    verify = [s for s in steps if s.num_tokens > s.num_seqs]  # steps with proposals to verify
+    assert len(verify) > 1 and all(s.is_decode_only for s in verify[1:])  # the first one is the prefill
+    assert "per decode step" in format_anatomy(outs[0].outputs[0].latency, steps)

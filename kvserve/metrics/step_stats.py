@@ -33,6 +33,10 @@ def routed_expert_bytes_read(model: torch.nn.Module) -> int:
 
 @dataclass(slots=True)
 class StepStats:
+    """One engine step. ``num_decode_tokens``: tokens of sequences that are decoding, i.e. one new token
+    each plus, with speculative decoding, the proposals verified beside it; the rest of ``num_tokens``
+    are prompt (prefill) tokens. Bytes are those the step had to read; ``wall_s`` in seconds."""
+
     step: int
     start_s: float
     wall_s: float
