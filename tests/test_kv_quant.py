@@ -135,6 +135,38 @@ def test_c_quantize_any_head_dim():
     assert torch.equal(cache.codes.view(-1, 2, 4096)[slots], codes) and torch.equal(cache.scale.view(-1, 2)[slots], scale)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_nan_or_inf_row_reads_back_nan_in_c_and_torch(kind):
+    """A K or V row holding NaN (or inf) quantizes to scale NaN (inf) and codes 0 in both write paths, so
+    it dequantizes to NaN; a decode step reading it gives NaN for the query heads of that KV head only
+    (as a float cache does), where the C path's max|x| used to skip the NaN and hide it."""
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        pytest.skip("no C compiler")
+    Hkv, d, bs, T = 2, 64, 16, 40
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, Hkv, d, generator=g)
+    x[3, 0, 7] = float("nan")
+    x[20, 1, 0] = float("-inf")
+    codes, scale = quantize(x, kind)
+    assert scale[3, 0].isnan() and scale[20, 1].isinf() and scale.isfinite().sum() == T * Hkv - 2
+    assert not codes[3, 0].any() and not codes[20, 1].any()
+    assert dequantize(codes, scale, kind)[3, 0].isnan().all()
+    cache = QuantizedKVCache.zeros(kind, 3, bs, Hkv, d)
+    slots = torch.arange(T)
+    kv_quant_kernel.write_quantized(dll, x, cache.codes, cache.scale, slots, kind)
+    assert torch.equal(cache.codes.view(-1, Hkv, d)[:T], codes)
+    assert torch.equal(cache.scale.view(-1, Hkv)[:T].nan_to_num(), scale.nan_to_num())
+    vc = QuantizedKVCache.zeros(kind, 3, bs, Hkv, d)
+    kv_quant_kernel.write_quantized(dll, torch.randn(T, Hkv, d, generator=g), vc.codes, vc.scale, slots, kind)
+    q = torch.randn(2, 4, d, generator=g)
+    bt = torch.arange(3, dtype=torch.int64)[None].repeat(2, 1)
+    out = kv_quant_kernel.decode_attention(dll, q, cache.codes, vc.codes, cache.scale, vc.scale, bt,
+                                           torch.tensor([T, 3]), d ** -0.5, kind)
+    assert out[0, :2].isnan().all() and out[0, 2:].isnan().all()  # token 3 in KV head 0, 20 in head 1
+    assert out[1].isfinite().all()  # the other sequence ends before both
+
+
 def _run(kind, num_heads, num_kv_heads, context_lens, query_lens, block_size=4, head_dim=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_blocks = 400

@@ -97,17 +97,22 @@ static inline uint8_t float_to_fp8(float y, const int mbits, const int bias) {
     return (uint8_t)(sign | (rounded - ((uint32_t)(127 - bias) << mbits)));
 }
 
-/* A cache row's codes and scale, as kvserve.attention.kv_quant.quantize computes them (bit for bit for
- * finite x; a NaN is left out of max|x| here, where torch's scale would turn NaN):
+/* A cache row's codes and scale, as kvserve.attention.kv_quant.quantize computes them (bit for bit):
  * scale = max(max|x| / QMAX, 1e-12), code = x / scale rounded (int8: to nearest even integer, clamped
- * to ±127; fp8: clamped to ±QMAX, then float_to_fp8). code: 0 int8, 1 fp8 e4m3 (QMAX 448), 2 fp8 e5m2
- * (QMAX 57344). x: [d] float32; out: [d] codes. */
+ * to ±127; fp8: clamped to ±QMAX, then float_to_fp8). A NaN in x makes the scale NaN (an inf makes it
+ * inf) and every code 0, so the whole row reads back NaN: a NaN key or value reaches the attention
+ * output as in a float cache, instead of vanishing into a finite max. code: 0 int8, 1 fp8 e4m3
+ * (QMAX 448), 2 fp8 e5m2 (QMAX 57344). x: [d] float32; out: [d] codes. */
 static inline float quantize_row(const float *x, int d, int code, uint8_t *out) {
     const float qmax = code == 0 ? 127.f : code == 1 ? 448.f : 57344.f;
     float amax = 0.f;
-    for (int i = 0; i < d; i++) { const float a = fabsf(x[i]); amax = a > amax ? a : amax; }
+    for (int i = 0; i < d; i++) { const float a = fabsf(x[i]); amax = a > amax || a != a ? a : amax; }
     float s = amax / qmax;
     s = s < (float)1e-12 ? (float)1e-12 : s;
+    if (!(s <= 3.4028234663852886e38f)) {  /* NaN or inf */
+        memset(out, 0, (size_t)d);
+        return s;
+    }
     for (int i = 0; i < d; i++) {
         float y = x[i] / s;
         if (code == 0) {
