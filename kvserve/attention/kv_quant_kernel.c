@@ -423,12 +423,13 @@ int64_t kvq_attention_items(const int64_t *seq_lens, int B, int64_t chunk, int64
 
 /* kvq_decode_attention's work, run by every thread of an enclosing parallel region (outside one: by the
  * caller alone); chunk and first from the two functions above, part: [first[B] * H * (d + 2)] float32
- * scratch. Ends with a barrier. */
+ * scratch. out_bf16: NULL, or [B, H, d] that also receives out rounded to bfloat16 (nearest even).
+ * Ends with a barrier. */
 void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks,
                                const float *vs, const int64_t *block_tables, int64_t bt_stride,
                                const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
                                float scale, int code, int64_t chunk, const int64_t *first, float *part,
-                               int q_bf16) {
+                               int q_bf16, uint16_t *out_bf16) {
     const int G = H / Hkv;
     const int64_t num_items = first[B];
     /* partial state of (sequence b, kv head h, chunk c) at index first[b] * Hkv + h * nchunks_b + c */
@@ -503,6 +504,8 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
             for (int i = 0; i < d; i++) o[i] += w * pc[g * d + i];
         }
         for (int i = 0; i < d; i++) o[i] /= Z;
+        if (out_bf16)
+            for (int i = 0; i < d; i++) out_bf16[row * d + i] = float_to_bf16(o[i]);
     }
 }
 
@@ -524,7 +527,7 @@ void kvq_decode_attention(const float *q, const uint8_t *kc, const uint8_t *vc, 
     float *part = malloc(sizeof(float) * (size_t)(num_items * H * (d + 2)));
 #pragma omp parallel num_threads(num_threads)
     kvq_decode_attention_team(q, kc, vc, ks, vs, block_tables, bt_stride, seq_lens, out, B, H, Hkv, d, bs, scale,
-                              code, chunk, first, part, q_bf16);
+                              code, chunk, first, part, q_bf16, NULL);
     free(part);
     free(first);
 }

@@ -24,7 +24,7 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
                                const float *vs, const int64_t *block_tables, int64_t bt_stride,
                                const int64_t *seq_lens, float *out, int B, int H, int Hkv, int d, int bs,
                                float scale, int code, int64_t chunk, const int64_t *first, float *part,
-                               int q_bf16);
+                               int q_bf16, uint16_t *out_bf16);
 void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
                           float *xsum);
 int64_t kvs_int4_scratch_floats(int64_t M, int K);
@@ -58,7 +58,7 @@ static inline __attribute__((always_inline)) void store_row(void *p, int64_t off
 static inline __attribute__((always_inline, optimize("fp-contract=off"))) void rope_row(
         const void *qkv, int64_t row, const float *c, const float *s, void *q_out, void *k_out, void *key_cache,
         void *value_cache, float *k_scale, float *v_scale, int64_t t, int64_t slot, int H, int Hkv, int d,
-        const int in, const int act, const int cache_code) {
+        const int in, const int act, const int cache_code, int q_code) {
     const int half = d / 2;
     float rot[512];  /* one rotated head (d <= 512) */
 #ifdef __AVX512F__
@@ -92,7 +92,7 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
             rot[half + i] = round_to(round_to(x2 * ci, act) + round_to(x1 * si, act), act);
         }
         if (h < H) {
-            store_row(q_out, (t * H + h) * (int64_t)d, rot, d, act);
+            store_row(q_out, (t * H + h) * (int64_t)d, rot, d, q_code);
             continue;
         }
         if (k_out)
@@ -131,17 +131,18 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
  * caches: not stored). cache_code 0/1/2 (int8, fp8 e4m3, fp8 e5m2): the caches hold 1-byte codes and
  * each row's scale goes to k_scale / v_scale [num_slots, Hkv] (quantize_row: kv_quant.quantize of the
  * row as the activation dtype holds it); float caches: scales unused (NULL). qkv: [T, row_stride] elements in code `in` (read as the activation dtype would
- * hold them); cos/sin: [max_positions, d/2] float32 tables.
+ * hold them); cos/sin: [max_positions, d/2] float32 tables. q_code: q_out's code, act, or 3 for float32
+ * holding the activation dtype's values (what the one-call step's attention reads).
  * o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin, each product rounded to the activation dtype. d <= 512. */
 #define ROPE_CASE(IN, ACT, CC) \
     if (in == IN && act == ACT && cache_code == CC) { \
         rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, k_scale, v_scale, t, slot, H, Hkv, d, IN, ACT, \
-                 CC); continue; }
+                 CC, q_code); continue; }
 __attribute__((optimize("fp-contract=off")))
 static void rope_team(const void *qkv, int in, int64_t row_stride, const int64_t *positions, const float *cos_t,
                       const float *sin_t, void *q_out, void *k_out, void *key_cache, void *value_cache,
                       float *k_scale, float *v_scale, const int64_t *slot_mapping, int64_t T, int H, int Hkv, int d,
-                      int act, int cache_code) {
+                      int act, int cache_code, int q_code) {
     const int half = d / 2;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -151,7 +152,7 @@ static void rope_team(const void *qkv, int in, int64_t row_stride, const int64_t
         ROPE_CASE(4, 3, 3) ROPE_CASE(4, 3, 4) ROPE_CASE(3, 4, 4) ROPE_CASE(3, 4, 3)
         ROPE_CASE(4, 4, 0) ROPE_CASE(3, 3, 0) ROPE_CASE(4, 3, 0)
         rope_row(qkv, row, c, s, q_out, k_out, key_cache, value_cache, k_scale, v_scale, t, slot, H, Hkv, d, in, act,
-                 cache_code);
+                 cache_code, q_code);
     }
 }
 
@@ -161,7 +162,7 @@ void kvs_rope_write_kv(const void *qkv, int in, int64_t row_stride, const int64_
                        int act, int cache_code, int num_threads) {
 #pragma omp parallel num_threads(num_threads) if (T >= 16)
     rope_team(qkv, in, row_stride, positions, cos_t, sin_t, q_out, k_out, key_cache, value_cache, k_scale, v_scale,
-              slot_mapping, T, H, Hkv, d, act, cache_code);
+              slot_mapping, T, H, Hkv, d, act, cache_code, act);
 }
 
 static inline __attribute__((always_inline)) void rms_norm_row(
@@ -356,7 +357,6 @@ void kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, voi
     char *h = malloc(es * (size_t)B * (size_t)(n + W + H * d + n + 2 * I + I + n));
     char *qkv = h + es * B * n, *o = qkv + es * B * W, *a = o + es * hd, *gu = a + es * B * n;
     char *g = gu + es * B * 2 * I, *delta = g + es * B * I;
-    void *q = act == 3 ? (void *)qf : (void *)of;  /* RoPE's queries in the activation dtype */
     void *o_in = mc == 3 ? (void *)of : (void *)o;  /* float32 attention output: the O matmul's input as is */
 #pragma omp parallel num_threads(num_threads)
     for (int l = 0; l < L; l++) {
@@ -367,18 +367,13 @@ void kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, voi
         float *ks = (float *)p[8], *vs = (float *)p[9];
         rms_norm_team(x, l ? delta : NULL, mc, (const void *)p[4], norm_code, eps, h, mc, B, n, act);
         linear_team(kind, h, B, n, w_qkv, (const void *)p[10], W, qkv, xsum);
-        rope_team(qkv, mc, W, positions, cos_t, sin_t, q, NULL, kc, vc, ks, vs, slot_mapping, B, H, Hkv, d, act,
-                  cache_code);
-        if (act != 3) {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < hd; i++) qf[i] = load(q, i, act);
-        }
+        /* the queries as float32 holding the activation dtype's values, straight from RoPE */
+        rope_team(qkv, mc, W, positions, cos_t, sin_t, qf, NULL, kc, vc, ks, vs, slot_mapping, B, H, Hkv, d, act,
+                  cache_code, 3);
+        /* bfloat16 matmuls: the merge also stores each output row as bfloat16 (= the float32 result rounded
+         * to act, then to bfloat16: one rounding either way), saving a pass and a barrier */
         kvq_decode_attention_team(qf, kc, vc, ks, vs, block_tables, bt_stride, seq_lens, of, B, H, Hkv, d, bs,
-                                  scale, cache_code, chunk, first, part, act == 4);
-        if (mc == 4) {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < hd; i++) ((uint16_t *)o)[i] = float_to_bf16(round_to(of[i], act));
-        }
+                                  scale, cache_code, chunk, first, part, act == 4, mc == 4 ? (uint16_t *)o : NULL);
         linear_team(kind, o_in, B, H * d, w_o, (const void *)p[11], n, a, xsum);
         rms_norm_team(x, a, mc, (const void *)p[5], norm_code, eps, h, mc, B, n, act);
         linear_team(kind, h, B, n, w_gu, (const void *)p[12], 2 * I, gu, xsum);
