@@ -1,6 +1,7 @@
 """Engine behaviour on a tiny random-weight model: batch invariance, seeds, n, preemption, abort,
 chunked prefill, finish reasons, max_tokens edges, anatomy and step statistics."""
 import pytest
+import torch
 
 from kvserve import InvalidRequestError, SamplingParams
 from tests.conftest import tiny_llm
@@ -179,3 +180,38 @@ def test_prompt_logprobs_match_a_full_forward_even_when_chunked(tiny):
         assert lps[pos].token_id == ids[pos]
         assert abs(lps[pos].logprob - ref[pos - 1, ids[pos]].item()) < 1e-4
         assert lps[pos].top_token_ids[0] == int(ref[pos - 1].argmax())
+
+
+def test_forked_child_generates_instead_of_hanging(tiny):
+    """After generate, a fork's child used to hang in its first multi-threaded OpenMP region (libgomp
+    keeps the parent's pool record, not its threads). The child now runs on one thread and gives the
+    parent's greedy tokens; the parent kills it if it is not done in 60 s."""
+    import os
+    import time
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = tiny.generate(["fork me"], sp)[0].outputs[0].token_ids
+    threads = torch.get_num_threads()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its tokens through the pipe, never return into pytest
+        try:
+            got = tiny.generate(["fork me"], sp)[0].outputs[0].token_ids
+            os.write(w, ",".join(map(str, got)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    deadline, done = time.monotonic() + 60, False
+    while not done and time.monotonic() < deadline:
+        done = os.waitpid(pid, os.WNOHANG)[0] == pid
+        time.sleep(0.2)
+    if not done:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    out = os.read(r, 4096).decode()
+    os.close(r)
+    assert out, "the forked child hung or died"
+    assert [int(t) for t in out.split(",")] == want
+    assert torch.get_num_threads() == threads  # the parent keeps its threads

@@ -51,11 +51,31 @@ class _Parent:
         return all(c.is_finished for c in self.children)
 
 
+def _one_thread_after_fork() -> None:
+    """A forked child inherits libgomp's record of the parent's thread pool but not its threads: its first
+    parallel region with more than one thread waits for them forever (kvserve's kernels and PyTorch's own
+    share libgomp). The child computes on one thread instead, as PyTorch's DataLoader workers do."""
+    torch.set_num_threads(1)
+
+
+_FORK_HANDLER = False
+
+
+def _register_fork_handler() -> None:
+    global _FORK_HANDLER
+    if not _FORK_HANDLER and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_one_thread_after_fork)
+        _FORK_HANDLER = True
+
+
 class LLMEngine:
-    """The engine. Single-threaded: callers serialise ``add_request``/``step``/``abort_request``."""
+    """The engine. Single-threaded: callers serialise ``add_request``/``step``/``abort_request``.
+    A process forked after an engine exists runs its torch and kernel work on one thread (a forked
+    child's OpenMP pool would otherwise hang it)."""
 
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.config = config.validate()
+        _register_fork_handler()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if config.dummy_config is not None:  # an explicit shape with random weights
