@@ -215,3 +215,12 @@ def test_forked_child_generates_instead_of_hanging(tiny):
     assert out, "the forked child hung or died"
     assert [int(t) for t in out.split(",")] == want
     assert torch.get_num_threads() == threads  # the parent keeps its threads
+
+
+def test_one_token_prompt_chunks_count_as_prompt_tokens():
+    """A prompt chunk of one token (a 1-token prompt, or the last chunk of a chunked prefill) is prefill:
+    prompt tokens summed over the steps equal the prompts' lengths (oracle: the prompts themselves)."""
+    llm = tiny_llm(enable_prefix_caching=False, max_num_batched_tokens=16)
+    prompts = [list(range(100, 117)), [42]]  # 17 tokens: chunks of 16 and 1; a 1-token prompt
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert sum(s.num_prefill_tokens for s in llm.engine.step_stats) == sum(len(o.prompt_token_ids) for o in outs) == 18
