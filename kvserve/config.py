@@ -289,8 +289,9 @@ class SpecDecodeConfig:
     """Speculative decoding: ``method`` None (off), 'ngram' (prompt lookup) or 'draft' (a smaller model,
     ``draft_model``, sharing the target's vocabulary). ``num_speculative_tokens`` = k proposals per step.
     A sequence stops speculating when, after ``min_drafts`` drafts, fewer than ``min_acceptance_rate``
-    of its proposals were accepted. Raises ConfigError for a ``draft_model`` with any other method
-    (it would be silently ignored)."""
+    of its proposals were accepted. ``validate`` raises ConfigError naming the field for any value out of
+    range, with speculation off too, and for a ``draft_model`` or non-auto ``draft_load_format`` with a
+    method other than 'draft' (they would be silently ignored)."""
 
     method: str | None = None
     num_speculative_tokens: int = 3
@@ -305,17 +306,32 @@ class SpecDecodeConfig:
     def validate(self) -> "SpecDecodeConfig":
         if self.method not in (None, "ngram", "draft"):
             raise ConfigError(f"speculative_method must be ngram or draft, got {self.method!r}")
-        if self.draft_model and self.method != "draft":  # else the draft would be ignored without a word
-            raise ConfigError(f"draft_model {self.draft_model!r} is used only with speculative_method 'draft', "
+        if self.method != "draft" and (self.draft_model or self.draft_load_format != "auto"):
+            # else the draft settings would be ignored without a word
+            what = f"draft_model {self.draft_model!r}" if self.draft_model else \
+                f"draft_load_format {self.draft_load_format!r}"
+            raise ConfigError(f"{what} is used only with speculative_method 'draft', "
                               f"got speculative_method {self.method!r}")
-        if self.method is None:
-            return self
-        _require_int("num_speculative_tokens", self.num_speculative_tokens)
+        # every field is checked even with speculation off: a bad value is an error, never ignored
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "min_drafts",
+                     "draft_kv_cache_memory_bytes"):
+            _require_int(name, getattr(self, name))
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
                               f"({self.prompt_lookup_max})")
+        if self.draft_load_format not in ("auto", "gguf", "safetensors", "dummy"):
+            raise ConfigError(f"draft_load_format must be one of auto|gguf|safetensors|dummy, "
+                              f"got {self.draft_load_format!r}")
+        if not (isinstance(self.min_acceptance_rate, (int, float)) and 0.0 <= self.min_acceptance_rate <= 1.0):
+            raise ConfigError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate!r}")
+        if self.min_drafts < 0:
+            raise ConfigError(f"min_drafts must be >= 0, got {self.min_drafts}")
+        if self.draft_kv_cache_memory_bytes <= 0:
+            raise ConfigError(f"draft_kv_cache_memory_bytes must be > 0, got {self.draft_kv_cache_memory_bytes}")
+        if self.method is None:
+            return self
         if self.method == "draft" and not self.draft_model:
             raise ConfigError("speculative_method 'draft' needs draft_model (a model name or path)")
         return self

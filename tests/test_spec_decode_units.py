@@ -59,3 +59,22 @@ def test_draft_model_without_draft_method_is_an_error():
             SpecDecodeConfig(method=method, draft_model="tiny-llama").validate()
     assert SpecDecodeConfig(method="draft", draft_model="tiny-llama").validate().draft_model == "tiny-llama"
     assert SpecDecodeConfig(method="ngram").validate().method == "ngram"
+
+
+def test_every_spec_decode_field_is_checked_even_with_speculation_off():
+    """Out-of-range settings were accepted silently when speculative_method was None (adversarial
+    helper): each is a ConfigError naming its field, with or without a method."""
+    import pytest
+
+    from kvserve.config import ConfigError, SpecDecodeConfig
+
+    bad = [("num_speculative_tokens", 0), ("num_speculative_tokens", 99), ("prompt_lookup_min", 5),
+           ("prompt_lookup_min", 1.5), ("draft_load_format", "bogus"), ("min_acceptance_rate", float("nan")),
+           ("min_acceptance_rate", 2.0), ("min_drafts", -3), ("draft_kv_cache_memory_bytes", 0)]
+    for method in (None, "ngram"):
+        for field, value in bad:
+            with pytest.raises(ConfigError, match=field.split("_min")[0]):
+                SpecDecodeConfig(method=method, prompt_lookup_max=2, **{field: value}).validate()
+    with pytest.raises(ConfigError, match="draft_load_format 'dummy' is used only with speculative_method 'draft'"):
+        SpecDecodeConfig(method="ngram", draft_load_format="dummy").validate()
+    assert SpecDecodeConfig(method=None, prompt_lookup_max=2).validate().method is None
