@@ -116,7 +116,7 @@ def test_tiny_n2_abort_and_speculative_match_hf(tiny_hf):
     for method in ("ngram", "draft"):  # draft: tiny-gemma3 with its own (dummy) weights, mostly rejected
         spec = _tiny_llm(tiny_hf, num_kv_blocks=200, max_num_batched_tokens=32, speculative_method=method,
                          draft_model="tiny-gemma3" if method == "draft" else None,
-                         draft_load_format="dummy", num_speculative_tokens=3)
+                         draft_load_format="dummy" if method == "draft" else "auto", num_speculative_tokens=3)
         got = spec.generate([prompt], SamplingParams(max_tokens=30, **GREEDY))[0].outputs[0]
         assert got.token_ids == expected, method
         assert got.latency.num_drafts > 0
