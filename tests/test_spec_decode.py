@@ -122,3 +122,25 @@ def test_verification_steps_count_as_decode_steps():
     verify = [s for s in steps if s.num_tokens > s.num_seqs]  # steps with proposals to verify
     assert len(verify) > 1 and all(s.is_decode_only for s in verify[1:])  # the first one is the prefill
     assert "per decode step" in format_anatomy(outs[0].outputs[0].latency, steps)
+
+
+def test_verification_steps_run_on_the_decode_plan(plain, monkeypatch):
+    """A verification step (1 + k query tokens per sequence) runs on the decode kernels, one row per
+    token with its own causal length (it took the module path's per-op loop: 4.6x a plain step's time
+    on SmolLM2), and greedy output still equals plain decoding (the oracle)."""
+    from kvserve.models.llama_decode import LlamaDecodePlan
+
+    rows = []
+    orig = LlamaDecodePlan.__call__
+
+    def spy(self, input_ids, positions, meta):
+        rows.append((input_ids.shape[0], meta.seq_lens.tolist(), positions.tolist()))
+        return orig(self, input_ids, positions, meta)
+    monkeypatch.setattr(LlamaDecodePlan, "__call__", spy)
+    llm = tiny_llm(speculative_method="ngram", num_speculative_tokens=3)
+    got, _ = _run(llm, PROMPTS[:1])
+    assert got == plain[:1]
+    multi = [r for r in rows if r[0] > 1]
+    assert multi  # verification steps reached the plan
+    for n, lens, pos in multi:  # each row sees the keys up to its own position
+        assert lens == [p + 1 for p in pos]

@@ -88,6 +88,31 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+MAX_ROWS_PER_SEQ_ON_DECODE_PLAN = 17  # 1 + the most proposals a verification step checks
+
+
+def per_token_decode_metadata(meta: AttentionMetadata) -> AttentionMetadata:
+    """``meta`` with every query token as a sequence of its own, for the decode plan: token i of a
+    sequence whose context before the step is c sees keys 0 .. c + i (causal attention within the
+    chunk), so its row gets that sequence's block table and seq_len c + i + 1. The plan writes every
+    row's K/V before any row attends, so each row finds the keys of the rows before it. A
+    speculative verification step (1 + k tokens per sequence) or a short prefill chunk then runs
+    on the decode kernels instead of the module path's per-op loop. Returns ``meta`` itself when
+    every query is one token."""
+    if meta.num_decodes == meta.num_seqs:
+        return meta
+    q = torch.tensor(meta.query_lens_list, dtype=torch.int64, device=meta.seq_lens.device)
+    seq_of_token = torch.repeat_interleave(torch.arange(meta.num_seqs, device=q.device), q)
+    first = (meta.seq_lens - q)[seq_of_token]  # context before the step, per token
+    offset = torch.arange(len(seq_of_token), device=q.device) - meta.query_start_loc[:-1][seq_of_token]
+    seq_lens = first + offset + 1
+    lens = seq_lens.tolist()
+    return AttentionMetadata(slot_mapping=meta.slot_mapping, block_tables=meta.block_tables[seq_of_token],
+                             seq_lens=seq_lens, query_start_loc=torch.arange(len(lens) + 1, device=q.device),
+                             seq_lens_list=lens, query_lens_list=[1] * len(lens), num_decodes=len(lens),
+                             block_size=meta.block_size)
+
+
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden_size]``;
     ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` float32."""
@@ -109,11 +134,11 @@ class LlamaForCausalLM(nn.Module):
         """``meta``: one AttentionMetadata for all layers, or one per layer (sliding and full layers in
         separate KV cache groups, e.g. a Mistral/Qwen2 config with mixed ``layer_types``)."""
         per_layer = isinstance(meta, (list, tuple))
-        if not per_layer and meta.num_decodes == len(meta.seq_lens_list) and not meta.sliding_window \
-                and self.use_decode_plan and not torch.compiler.is_compiling():
+        if not per_layer and not meta.sliding_window and self.use_decode_plan and not torch.compiler.is_compiling() \
+                and max(meta.query_lens_list, default=0) <= MAX_ROWS_PER_SEQ_ON_DECODE_PLAN:
             plan = self.decode_plan(kv_caches)
             if plan is not None:
-                return plan(input_ids, positions, meta)
+                return plan(input_ids, positions, per_token_decode_metadata(meta))
         metas = meta if per_layer else [meta] * len(self.layers)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = (positions, self.rotary_emb.cos, self.rotary_emb.sin)
