@@ -95,13 +95,21 @@ def test_metrics_match_the_responses_own_timings(tiny_server, client):
     url = tiny_server.url
     ttft_n0, ttft_s0 = _metric(url, "time_to_first_token_seconds_count"), _metric(url, "time_to_first_token_seconds_sum")
     itl_n0 = _metric(url, "inter_token_latency_seconds_count")
-    gen0 = _metric(url, "generation_tokens_total")
+    gen0, prompt0 = _metric(url, "generation_tokens_total"), _metric(url, "prompt_tokens_total")
     r = client.completions.create(model="tiny-llama", prompt="metrics", max_tokens=9, temperature=0)
     timings = r.model_extra["kvserve_timings"]
     assert _metric(url, "time_to_first_token_seconds_count") == ttft_n0 + 1
     assert abs(_metric(url, "time_to_first_token_seconds_sum") - ttft_s0 - timings["ttft_ms"] / 1e3) < 1e-5
     assert _metric(url, "inter_token_latency_seconds_count") == itl_n0 + r.usage.completion_tokens - 1
     assert _metric(url, "generation_tokens_total") == gen0 + 9
+    assert _metric(url, "prompt_tokens_total") == prompt0 + r.usage.prompt_tokens
+    # vLLM's meaning: every choice's prompt, prefix-cache hits included (the second request finds the
+    # first one's full blocks in the cache)
+    hits0, prompt1 = _metric(url, "prefix_cache_hits_total"), _metric(url, "prompt_tokens_total")
+    for _ in range(2):
+        r2 = client.completions.create(model="tiny-llama", prompt="cache me " * 20, max_tokens=2, temperature=0, n=2)
+    assert _metric(url, "prefix_cache_hits_total") > hits0
+    assert _metric(url, "prompt_tokens_total") == prompt1 + 2 * 2 * r2.usage.prompt_tokens
     assert _metric(url, "num_requests_running") == 0
     assert _metric(url, "kv_cache_bytes_per_token") == 2 * 2 * 2 * 16 * 4
     assert _metric(url, "step_weight_bytes_total") > 0 and _metric(url, "step_kv_bytes_total") > 0

@@ -38,7 +38,9 @@ class ServerMetrics:
         self.running = Gauge(P + "num_requests_running", "Sequences in the running batch.", lbl, registry=r).labels(model_name)
         self.waiting = Gauge(P + "num_requests_waiting", "Sequences waiting (incl. preempted).", lbl, registry=r).labels(model_name)
         self.kv_usage = Gauge(P + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).", lbl, registry=r).labels(model_name)
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prefilled prompt tokens.", lbl, registry=r).labels(model_name)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of every sequence that produced a first "
+                                     "token (n choices count n times; prefix-cache hits included, as vLLM's).",
+                                     lbl, registry=r).labels(model_name)
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", lbl, registry=r).labels(model_name)
         self.preemptions = Counter(P + "num_preemptions", "Sequences preempted (recomputed later).", lbl, registry=r).labels(model_name)
         self.prefix_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", lbl, registry=r).labels(model_name)
@@ -89,10 +91,11 @@ class ServerMetrics:
             self.step_time.observe(s.wall_s)
             self.step_bandwidth.set(s.achieved_bytes_per_s)
             self.last_kv_bytes.set(s.kv_bytes_read)
-            self.prompt_tokens.inc(s.num_prefill_tokens)
         self._last_step = engine.num_steps
         for out in outputs:
             for c in out.outputs:
+                if c.delta_token_ids and len(c.token_ids) == len(c.delta_token_ids):  # its first tokens
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
                 self.generation_tokens.inc(len(c.delta_token_ids))
                 if c.finished:
                     self._observe_finished(c)
