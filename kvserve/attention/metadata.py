@@ -24,6 +24,8 @@ class AttentionMetadata:
     window_block_tables / window_decode_mask: for sliding decodes, each sequence's table from the
                      block holding its first visible key, [num_decodes, nbw], and the mask of its
                      visible keys, [num_decodes, 1, 1, nbw * block_size] (None for one decode)
+    all_decoding:    True when every sequence's query starts past its prompt (one new token plus any
+                     speculative proposals), set by the model runner; prefill chunks: False
     """
 
     slot_mapping: torch.Tensor
@@ -38,6 +40,7 @@ class AttentionMetadata:
     sliding_window: int = 0
     window_block_tables: torch.Tensor | None = None
     window_decode_mask: torch.Tensor | None = None
+    all_decoding: bool = False  # every query starts past its prompt: decodes and speculative verifications
 
 
     @property

@@ -96,9 +96,9 @@ def per_token_decode_metadata(meta: AttentionMetadata) -> AttentionMetadata:
     sequence whose context before the step is c sees keys 0 .. c + i (causal attention within the
     chunk), so its row gets that sequence's block table and seq_len c + i + 1. The plan writes every
     row's K/V before any row attends, so each row finds the keys of the rows before it. A
-    speculative verification step (1 + k tokens per sequence) or a short prefill chunk then runs
-    on the decode kernels instead of the module path's per-op loop. Returns ``meta`` itself when
-    every query is one token."""
+    speculative verification step (1 + k tokens per sequence, ``meta.all_decoding``) then runs on the
+    decode kernels instead of the module path's per-op loop; prefill chunks stay on the module path
+    (their numerics and cost are the prefill's). Returns ``meta`` itself when every query is one token."""
     if meta.num_decodes == meta.num_seqs:
         return meta
     q = torch.tensor(meta.query_lens_list, dtype=torch.int64, device=meta.seq_lens.device)
@@ -135,7 +135,8 @@ class LlamaForCausalLM(nn.Module):
         separate KV cache groups, e.g. a Mistral/Qwen2 config with mixed ``layer_types``)."""
         per_layer = isinstance(meta, (list, tuple))
         if not per_layer and not meta.sliding_window and self.use_decode_plan and not torch.compiler.is_compiling() \
-                and max(meta.query_lens_list, default=0) <= MAX_ROWS_PER_SEQ_ON_DECODE_PLAN:
+                and (meta.num_decodes == meta.num_seqs or (meta.all_decoding and max(meta.query_lens_list)
+                                                           <= MAX_ROWS_PER_SEQ_ON_DECODE_PLAN)):
             plan = self.decode_plan(kv_caches)
             if plan is not None:
                 return plan(input_ids, positions, per_token_decode_metadata(meta))
