@@ -144,3 +144,17 @@ def test_verification_steps_run_on_the_decode_plan(plain, monkeypatch):
     assert multi  # verification steps reached the plan
     for n, lens, pos in multi:  # each row sees the keys up to its own position
         assert lens == [p + 1 for p in pos]
+
+
+def test_stop_string_inside_an_accepted_run_drops_the_tokens_after_it():
+    """A stop string matched in the middle of a verification step's accepted tokens ends token_ids at the
+    token that completed it, as plain decoding does (the oracle); the later accepted tokens used to stay
+    (22 tokens plain, 35 with k = 16; adversarial helper)."""
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop=["scri"])
+    want = tiny_llm().generate([REPEAT], sp)[0].outputs[0]
+    llm = tiny_llm(speculative_method="draft", draft_model="tiny-llama", draft_load_format="dummy",
+                   num_speculative_tokens=16)
+    got = _run(llm, [REPEAT], sp)[1][0].outputs[0]
+    assert want.finish_reason == got.finish_reason == "stop"
+    assert got.text == want.text and got.token_ids == want.token_ids
+    assert len(got.latency.itl_ms) == len(got.token_ids) - 1

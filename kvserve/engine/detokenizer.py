@@ -43,6 +43,7 @@ class IncrementalDetokenizer:
         self._text = ""
         self._num_emitted_chars = 0  # length of the text already returned by take_delta
         self._stop_str: str | None = None
+        self.num_used = 0  # of the last update's new_token_ids: those up to and including a stop match
 
     # ------------------------------------------------------------------ public API
     @property
@@ -61,7 +62,7 @@ class IncrementalDetokenizer:
         Args:
             new_token_ids: the output tokens generated since the last call (1 normally; more under
                 speculative decoding). Tokens are processed one by one; after a stop match the rest
-                are ignored.
+                are ignored (``num_used`` then says how many were taken).
             num_output_tokens: the number of output tokens INCLUDING ``new_token_ids``; a stop
                 string is only looked for in text decoded once this count reaches ``min_tokens``.
         Returns:
@@ -73,12 +74,14 @@ class IncrementalDetokenizer:
         if self._stop_str is not None:
             raise RuntimeError("update() called after a stop string matched; the sequence is finished")
         first_count = num_output_tokens - len(new_token_ids) + 1
+        self.num_used = len(new_token_ids)
         for n, token_id in enumerate(new_token_ids):
             start = len(self._text)
             self._text += self._decode_next(token_id)
             if self._stop and first_count + n >= self._min_tokens and len(self._text) > start:
                 stop = self._check_stop(start)
                 if stop is not None:
+                    self.num_used = n + 1
                     return stop
         return None
 

@@ -304,6 +304,12 @@ class LLMEngine:
         t_done = now()
         req.timeline.detokenize_s += t_done - t
         if stop is not None and not stopped_by_token:
+            extra = len(new_ids) - detok.num_used  # accepted proposals after the stop string's token
+            if extra:
+                del req.output_token_ids[-extra:], req.all_token_ids[-extra:]
+                if req.logprobs is not None and len(req.logprobs) > len(req.output_token_ids):
+                    del req.logprobs[len(req.output_token_ids):]
+                num_new -= extra
             if not req.is_finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             req.status = RequestStatus.FINISHED_STOPPED  # a stop string wins over length on the same token
