@@ -321,8 +321,10 @@ class SpecDecodeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
                               f"({self.prompt_lookup_max})")
-        if self.draft_load_format not in ("auto", "gguf", "safetensors", "dummy"):
-            raise ConfigError(f"draft_load_format must be one of auto|gguf|safetensors|dummy, "
+        from kvserve.models.catalog import LOAD_FORMATS  # catalog imports this module
+
+        if self.draft_load_format not in LOAD_FORMATS:
+            raise ConfigError(f"draft_load_format must be one of {'|'.join(LOAD_FORMATS)}, "
                               f"got {self.draft_load_format!r}")
         if not (isinstance(self.min_acceptance_rate, (int, float)) and 0.0 <= self.min_acceptance_rate <= 1.0):
             raise ConfigError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate!r}")

@@ -324,11 +324,9 @@ class LLMEngine:
         self._step += 1
         self.step_stats.append(StepStats(
             step=self._step, start_s=t0, wall_s=wall, num_seqs=len(sched.scheduled), num_tokens=num_tokens,
-            # a decoding sequence's one new token, plus the proposals verified with it (speculation); a
-            # chunk that starts inside the prompt is prefill, even when it is one token long
+            # a decoding sequence's one new token, plus the proposals verified with it (speculation)
             num_decode_tokens=sum(s.num_scheduled_tokens for s in sched.scheduled
-                                  if s.num_scheduled_tokens == 1 + len(s.spec_token_ids)
-                                  and s.num_computed_tokens >= s.request.num_prompt_tokens),
+                                  if s.is_decoding and s.num_scheduled_tokens == 1 + len(s.spec_token_ids)),
             weight_bytes=(self.weight_bytes_per_step + num_tokens * self._embedding_row_bytes
                           + routed_expert_bytes_read(self.model)),  # MoE: only the experts this step used
             kv_bytes_read=sum(self.kv_spec.kv_bytes_read(n, s.num_scheduled_tokens)  # sliding: window only

@@ -89,7 +89,7 @@ class ModelRunner:
         metas = [AttentionMetadata.build([s.block_tables[i] for s in sched.scheduled], ctx, qlens,
                                          self.kv_spec.block_size, self.device, sliding_window=g.sliding_window)
                  for i, g in enumerate(self.groups)]
-        decoding = all(s.num_computed_tokens >= s.request.num_prompt_tokens for s in sched.scheduled)
+        decoding = all(s.is_decoding for s in sched.scheduled)
         for m in metas:
             m.all_decoding = decoding
         as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731

@@ -33,6 +33,12 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify (last tokens of the chunk)
 
     @property
+    def is_decoding(self) -> bool:
+        """The chunk starts past the prompt: one new token plus any proposals to verify (a chunk that
+        starts inside the prompt is prefill, even a one-token one)."""
+        return self.num_computed_tokens >= self.request.num_prompt_tokens
+
+    @property
     def block_table(self) -> list[int]:
         """The first group's block table (the only one without sliding-window layers)."""
         return self.block_tables[0]
