@@ -104,8 +104,9 @@ def test_gqa_does_not_repeat_kv(monkeypatch):
 
 
 def _bf16_kernel_vs_float64(num_heads, num_kv_heads, head_dim, block_size, seq_lens, seed=0):
-    """kvq_decode_attention on a bfloat16 cache with bfloat16-valued queries (k_pass_bf16: vdpbf16ps pair
-    dot products, 16 tokens reduced by one transpose) against float64 attention over the same values.
+    """kvq_decode_attention on a bfloat16 cache with bfloat16-valued queries (k_pass_amx: AMX tile products
+    where the CPU grants AMX, G <= 16 and bs % 16 == 0; else k_pass_bf16: vdpbf16ps pair dot products, 16
+    tokens reduced by one transpose) against float64 attention over the same values.
     Slots past each sequence's end hold NaN and inf: a score loop that lets a row it does not own into
     a score or a running max turns the output NaN."""
     from kvserve.attention import kv_quant_kernel
@@ -154,6 +155,24 @@ def test_bfloat16_pair_dot_k_pass_against_float64(heads, head_dim, block_size):
     16-token groups and of 8 (partial groups in every block); sequences of 1, 15, 16, 17 and 300 tokens
     (partial groups, several chunks)."""
     _bf16_kernel_vs_float64(*heads, head_dim, block_size, [1, 15, 16, 17, 300])
+
+
+def test_key_pass_dispatch_takes_amx_tiles_only_where_they_fit():
+    """The cases above reach the AMX key pass where this CPU has it (else they test the pair-dot pass
+    alone): bfloat16 queries and cache, whole 16-row tiles in every block, at most 16 queries per tile."""
+    from kvserve.attention import kv_quant_kernel
+
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        pytest.skip("no C compiler: the kernel path is not built here")
+    bf16, int8 = kv_quant_kernel.CODES["bfloat16"], kv_quant_kernel.CODES["int8"]
+    amx = 3 if dll.amx else 2
+    assert dll.kvq_key_pass(1, bf16, 64, 3, 16) == amx
+    assert dll.kvq_key_pass(1, bf16, 128, 16, 32) == amx
+    assert dll.kvq_key_pass(1, bf16, 64, 3, 8) == 2  # half a tile per block
+    assert dll.kvq_key_pass(1, bf16, 64, 17, 16) == 2  # more query columns than a tile holds
+    assert dll.kvq_key_pass(0, bf16, 64, 3, 16) == 0  # float32 queries: no bfloat16 products
+    assert dll.kvq_key_pass(1, int8, 64, 3, 16) == 1
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16"])

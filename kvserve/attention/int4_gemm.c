@@ -190,6 +190,9 @@ int kvs_int4_amx_enable(void) {
     return amx_granted;
 }
 
+/* 1 when kvs_int4_amx_enable was granted the tile state (decode attention's key pass asks too) */
+int kvs_amx_granted(void) { return amx_granted; }
+
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -286,6 +289,7 @@ static void int4_tile_amx(const uint16_t *rec, int G, const uint16_t *x, int64_t
 }
 #else
 int kvs_int4_amx_enable(void) { return 0; }
+int kvs_amx_granted(void) { return 0; }
 #endif
 
 #define INT4_AMX_MIN_ROWS 2 /* from this many rows of x, AMX (1 row: 3.7 ms vdpbf16ps vs ~5 ms AMX on SmolLM2) */
@@ -390,6 +394,7 @@ void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int
 
 int kvs_int4_supported(void) { return 0; }
 int kvs_int4_amx_enable(void) { return 0; }
+int kvs_amx_granted(void) { return 0; }
 
 void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
                           float *xsum) {

@@ -76,6 +76,8 @@ def load() -> ctypes.CDLL | None:
     dll.kvs_int4_supported.argtypes = []
     dll.kvs_int4_supported.restype = i32
     dll.kvs_int4_amx_enable.argtypes = []
+    dll.kvq_key_pass.argtypes = [i32, i32, i32, i32, i32]
+    dll.kvq_key_pass.restype = i32
     dll.kvs_int4_amx_enable.restype = i32
     dll.amx = bool(dll.kvs_int4_amx_enable())  # AMX tile state granted: int4 steps of >= 4 rows use it
     for f in (dll.kvs_rope_write_kv, dll.kvs_add_rms_norm, dll.kvs_silu_mul, dll.kvs_decode_attention,
