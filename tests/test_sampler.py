@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kvserve.engine.sampler import Sampler, SamplingRow, apply_penalties, sampling_probs
+from kvserve.engine.sampler import Sampler, SamplingRow, apply_penalties, sample_from_probs, sampling_probs
 from kvserve.sampling_params import SamplingParams
 
 
@@ -233,3 +233,60 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
     sampled = SamplingParams(temperature=1.0, min_tokens=5, stop_token_ids=[2])
     out = Sampler()(logits.repeat(200, 1), [row(sampled, eos=(1,)) for _ in range(200)])
     assert set(out.token_ids) <= {0, 3}
+
+
+# ------------------------------------------------------------------------------------ large vocabularies
+def _vocab_cases(vocab: int = 3000):
+    """Rows where the candidates (top-k + 1, or the NUCLEUS_CANDIDATES sizes) are fewer than the vocabulary:
+    a peaked row (nucleus of a few tokens), a flat row (nucleus past 1024 tokens), a row whose top-k
+    boundary is a five-way tie spread over ids (the lowest ids must win, as in a stable sort), and a row
+    of 1100 tied top tokens, of which torch.topk(1024) does not return the lowest ids."""
+    g = torch.Generator().manual_seed(11)
+    peaked = torch.randn(vocab, generator=g) * 0.5
+    peaked[torch.randperm(vocab, generator=g)[:20]] += 8.0
+    flat = torch.randn(vocab, generator=g) * 0.05
+    tied = torch.randn(vocab, generator=g)
+    tie_ids = [2900, 17, 1500, 640, 2999]
+    tied[tie_ids] = tied.max() + 1.0  # five tokens share the top value
+    wide_tie = torch.randn(vocab, generator=g)
+    wide_tie[torch.randperm(vocab, generator=g)[:1100]] = 5.0  # more tied tokens than topk(1024) takes
+    return torch.stack([peaked, flat, tied, wide_tie])
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 0.9, 0.0), (0, 0.5, 0.0), (3, 1.0, 0.0), (4, 0.7, 0.0),
+                                                (0, 0.95, 0.05), (1100, 0.985, 0.0), (1023, 1.0, 0.0)])
+def test_large_vocab_masks_match_plain_python_reference(top_k, top_p, min_p):
+    """The topk-candidate path and its fall-backs give the full-sort semantics: same support, same
+    probabilities as the plain-Python reference, ties at the edge broken by the lowest id."""
+    logits = _vocab_cases()
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p)
+    probs = sampling_probs(logits.clone(), [params] * 4)
+    for r in range(4):
+        ref = reference_probs(logits[r].tolist(), 0.8, top_k, top_p, min_p)
+        got = (probs[r] / probs[r].sum()).tolist()
+        assert [i for i, p in enumerate(got) if p > 0] == [i for i, p in enumerate(ref) if p > 0], r
+        assert got == pytest.approx(ref, abs=1e-6)
+    if top_k == 3:  # the tie: ids 17, 640, 1500 of the five
+        assert (probs[2] > 0).nonzero().flatten().tolist() == [17, 640, 1500]
+
+
+def test_mixed_batch_rows_take_their_own_path():
+    """Temperature-only, top-k and top-p rows in one batch: each equals the same row sampled alone."""
+    logits = _vocab_cases()
+    params = [SamplingParams(temperature=1.0), SamplingParams(top_k=4), SamplingParams(top_p=0.6, min_p=0.1),
+              SamplingParams(top_p=0.5)]
+    together = sampling_probs(logits.clone(), params)
+    for r in range(4):
+        alone = sampling_probs(logits[r:r + 1].clone(), [params[r]])
+        assert torch.equal(together[r], alone[0]), r
+
+
+def test_inverse_cdf_never_draws_a_zero_probability_token(monkeypatch):
+    """u just below 1 (u·total rounds up to total) draws the last token with probability > 0, not the
+    zeros after it; u = 0 draws the first token with probability > 0, not the zeros before it."""
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0]])
+    for u, want in [(1.0 - 2.0 ** -53, 3), (0.0, 1)]:
+        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full(a[0] if isinstance(a[0], tuple) else a,
+                                                                             u, dtype=torch.float64))
+        assert sample_from_probs(probs * 1e-30, [None]).tolist() == [want]
+        assert sample_from_probs(probs, [torch.Generator()]).tolist() == [want]
