@@ -290,3 +290,22 @@ def test_inverse_cdf_never_draws_a_zero_probability_token(monkeypatch):
                                                                              u, dtype=torch.float64))
         assert sample_from_probs(probs * 1e-30, [None]).tolist() == [want]
         assert sample_from_probs(probs, [torch.Generator()]).tolist() == [want]
+
+
+def test_nucleus_of_ties_at_a_huge_logit_and_at_an_exact_boundary():
+    """Four tokens tied at 1e8 (or +inf, clamped to the float max) share the top-p mass: top-p 0.5 keeps
+    two of them, as the reference does (a normaliser m + log Σ rounds back to m there and kept one).
+    1000 equal logits with top-p 0.01 keep exactly 10 (1/1000 rounds up in float32)."""
+    for big in (1e8, float("inf")):
+        logits = torch.zeros(1, 10)
+        logits[0, :4] = big
+        probs = sampling_probs(logits, [SamplingParams(top_p=0.5)])
+        assert (probs[0] > 0).nonzero().flatten().tolist() == [0, 1]
+    probs = sampling_probs(torch.zeros(1, 1000), [SamplingParams(top_p=0.01)])
+    assert (probs[0] > 0).nonzero().flatten().tolist() == list(range(10))
+    assert reference_probs([0.0] * 1000, 1.0, 0, 0.01, 0.0).count(0.0) == 990
+
+
+def test_a_row_that_is_not_a_distribution_still_draws_a_valid_id():
+    for bad in (torch.zeros(1, 7), torch.full((1, 7), float("nan"))):
+        assert 0 <= sample_from_probs(bad, [None]).item() < 7

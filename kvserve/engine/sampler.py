@@ -232,14 +232,6 @@ def _order(logits: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, to
     return _sorted_topk(logits, k)
 
 
-def _logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """log Σ exp over the last dim, [n, 1]; -inf for an all -inf row. (torch.logsumexp took ~1.7 ms for
-    one row of 49,152 on this CPU, this ~0.1.)"""
-    m = x.amax(dim=-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    return m + (x - m).exp().sum(dim=-1, keepdim=True).log()
-
-
 def _masked_probs(logits: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, params: list[SamplingParams],
                   min_p: torch.Tensor, candidates: bool = False):
     """Top-k, top-p and min-p over each row's first ``c`` tokens in order (``vals``/``ids`` [n, c]),
@@ -252,10 +244,15 @@ def _masked_probs(logits: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, p
     top_k = torch.tensor([min(p.top_k, c) if p.top_k > 0 else c for p in params], device=device).unsqueeze(1)
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
     vals = vals.masked_fill(positions >= top_k, float("-inf"))
-    # top-p over the top-k set, or over the whole vocabulary (normaliser of all logits) without top-k
+    # top-p over the top-k set, or over the whole vocabulary (all logits in the normaliser) without top-k;
+    # exp(x − max) / Σ as softmax computes it (an m + log Σ normaliser rounds back to m for huge m)
     has_k = torch.tensor([p.top_k > 0 for p in params], device=device).unsqueeze(1)
-    lse = torch.where(has_k, _logsumexp(vals), _logsumexp(logits))
-    cand_probs = (vals - lse).exp()
+    top = vals[:, :1]
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # an all -inf row: no NaN from inf − inf
+    unnormalised = (vals - top).exp()
+    total = torch.where(has_k, unnormalised.sum(dim=-1, keepdim=True),
+                        (logits - top).exp().sum(dim=-1, keepdim=True))
+    cand_probs = unnormalised / total
     mass_before = cand_probs.cumsum(dim=-1) - cand_probs  # probability of strictly better tokens
     drop = (mass_before >= top_p) & (top_p < 1.0)
     drop[:, 0] = False
@@ -292,7 +289,8 @@ def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | No
     # u ≤ 1 − 2⁻⁵³, so u·total < total (the exact product total − total·2⁻⁵³ rounds down): the first cdf
     # entry above the target exists and belongs to a token of probability > 0
     target = u.to(cdf.device).unsqueeze(1) * cdf[:, -1:]
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # a row of zeros or NaN (not a distribution) would give vocab_size: its last id instead
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 # ---------------------------------------------------------------------------------------- logprobs
