@@ -129,11 +129,17 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(tiny_server):
     assert _metric(tiny_server.url, "generation_tokens_total") == gen  # counters stopped
 
 
-def test_disconnect_mid_non_stream_aborts(tiny_server):
+def test_disconnect_mid_non_stream_aborts(tiny_server, monkeypatch):
+    # each engine step held 5 ms, so 450 tokens take > 2 s whatever the host's speed: the client's 1 s
+    # timeout always leaves mid-request (with the sampler 30x faster, the tiny model once finished first)
+    step = tiny_server.engine.step
+    monkeypatch.setattr(tiny_server.engine, "step", lambda: (time.sleep(0.005), step())[1])
+    before = _metric(tiny_server.url, "generation_tokens_total")
     body = {"prompt": "wait for me " * 10, "max_tokens": 450, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=1.0)
     assert _wait_idle(tiny_server), "non-stream request not aborted after the client left"
+    assert _metric(tiny_server.url, "generation_tokens_total") - before < 450  # it stopped early
     ok = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "next", "max_tokens": 2})
     assert ok.status_code == 200
 
