@@ -193,17 +193,11 @@ int kvs_int4_amx_enable(void) {
 /* 1 when kvs_int4_amx_enable was granted the tile state (decode attention's key pass asks too) */
 int kvs_amx_granted(void) { return amx_granted; }
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
 /* Two sets of tiles, for two groups at a time: tiles 0 and 3: C [rows × 16] float32; tiles 1 and 4: A =
  * rows of x [rows × 32] bfloat16; tiles 2 and 5: B = one record's weights as 16 input pairs × (16 outputs
  * × 2) bfloat16, the VNNI layout the records' lanes already have */
 static void amx_configure(int rows) {
-    tile_config cfg;
+    amx_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int s = 0; s < 6; s += 3) {

@@ -127,4 +127,12 @@ static inline float quantize_row(const float *x, int d, int code, uint8_t *out) 
     return s;
 }
 
+/* LDTILECFG's 64-byte operand (Intel SDM vol. 2, LDTILECFG: palette 1): per tile its bytes per row and
+ * rows. Used by the AMX paths of int4_gemm.c and kv_quant_kernel.c. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_tile_config;
+
 #endif

@@ -327,16 +327,10 @@ static inline __attribute__((always_inline)) void k_pass_bf16(
 #define HAVE_K_PASS_AMX 1
 int kvs_amx_granted(void); /* int4_gemm.c: this process was granted the AMX tile state */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) k_tile_config;
-
 /* Tiles of k_pass_amx: 0 = C, the scores [16 key rows × G queries] float32; 1 and 3 = A, 16 key rows ×
  * 32 dims bfloat16; 2 and 4 = B, the G queries' same 32 dims as 16 dim pairs × G (the VNNI pair layout). */
 static void k_amx_configure(int G) {
-    k_tile_config cfg;
+    amx_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 5; t++) cfg.rows[t] = 16;
