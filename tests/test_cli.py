@@ -1,5 +1,6 @@
 """The CLI as a user runs it (a subprocess): generate streams text then prints the anatomy; chat
 answers on stdin; bench latency prints its tables; bad flags give a clear error, not a traceback."""
+import contextlib
 import json
 import subprocess
 import sys
@@ -236,3 +237,48 @@ def test_anatomy_step_table_says_when_it_shows_a_sample_of_the_steps():
     rows = [line.split()[0] for line in text.splitlines()[3:-1]]
     assert rows[0] == "1" and rows[-1] == "20" and len(rows) == 8
     assert "shown" not in "\n".join(_format_steps(steps[:8], 8))
+
+
+def test_bench_latency_temperature_reaches_every_run_and_the_llamacpp_peer(monkeypatch):
+    """--temperature T samples every kvserve run at T (the report says so) and asks llama.cpp for the
+    same: temp T with its top-k off (0); temperature 0 stays greedy (top-k 1)."""
+    from kvserve.bench import latency
+    from kvserve.bench.llamacpp_peer import llamacpp_latency
+    from tests.conftest import tiny_llm
+
+    llm = tiny_llm()
+    seen = []
+    real = llm.generate
+    monkeypatch.setattr(llm, "generate", lambda prompts, sp, **k: seen.append(sp) or real(prompts, sp, **k))
+    monkeypatch.setattr(latency, "measure_read_bandwidth", lambda n=1 << 30, repeats=5: 20e9)
+    rep = latency.run_latency_bench(llm, [16], 3, [1, 2], 8, 3, temperature=0.7)
+    assert [sp.temperature for sp in seen[1:]] == [0.7, 0.7, 0.7]  # after the warm-up: context, 1, 2 requests
+    assert "temperature 0.7, full distribution" in latency.format_report(rep).splitlines()[0]
+    assert "; greedy" in latency.format_report(latency.LatencyReport("m", "f", 20.0)).splitlines()[0]
+
+    class FakeLlama:
+        def reset(self):
+            pass
+
+        def generate(self, ids, **kw):
+            calls.append(kw)
+            yield from range(100)
+
+    for temperature, top_k in [(0.0, 1), (0.8, 0)]:
+        calls = []
+        llamacpp_latency(FakeLlama(), [1, 2, 3], 4, temperature)
+        assert (calls[0]["temp"], calls[0]["top_k"], calls[0]["top_p"], calls[0]["min_p"]) == (temperature, top_k, 1.0, 0.0)
+
+
+@pytest.mark.parametrize("args,needle", [(["--temperature", "2.5"], "--temperature: must be in [0, 2]"),
+                                         (["--temperature", "hot"], "--temperature: expected a number"),
+                                         (["--temperature", "0.5", "--compare", "hf"], "the HF peer decodes greedily")])
+def test_bench_latency_temperature_errors_name_the_flag(args, needle, capsys, monkeypatch):
+    from kvserve.bench import latency
+    from kvserve.cli import main
+
+    monkeypatch.setattr(latency, "run_latency_bench", lambda *a, **k: pytest.fail("benchmark ran"))
+    with pytest.raises(SystemExit) if "hf" not in args else contextlib.nullcontext():
+        rc = main(["bench", "latency", "--model", "smollm2-135m", "--contexts", "32", *args])
+        assert rc != 0
+    assert needle in capsys.readouterr().err

@@ -14,6 +14,17 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _temperature(text: str) -> float:
+    """argparse type: a sampling temperature in [0, 2] (SamplingParams' range)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value <= 2.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2], got {text}")
+    return value
+
+
 def _int_at_least(low: int):
     """argparse type: an integer >= ``low``."""
     def parse(text: str) -> int:
@@ -47,6 +58,10 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--compare", choices=["hf", "llama.cpp"], default=None,
                      help="run a peer on the same weights too: HF transformers, or llama.cpp (llama-cpp-python, "
                           "the optional 'bench' extra)")
+    lat.add_argument("--temperature", type=_temperature, default=0.0,
+                     help="sampling temperature of every run, in [0, 2] (default 0: greedy); above 0 the whole "
+                          "distribution is sampled (no top-k/top-p), so the sampler's cost is in the ITL; the "
+                          "llama.cpp peer samples the same way")
     lat.add_argument("--json", default=None, help="also write the figures to this JSON file")
     add_engine_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
@@ -116,6 +131,9 @@ def cmd_bench_latency(a: argparse.Namespace) -> int:
     if a.compare == "hf" and importlib.util.find_spec("accelerate") is None:  # check before minutes of benchmarking
         raise ConfigError("--compare hf needs HF transformers' GGUF loading, which needs accelerate: "
                           "`make setup-test` (or `.venv/bin/pip install -e '.[hf]'`)")
+    if a.compare == "hf" and a.temperature:
+        raise ConfigError("--temperature with --compare hf: the HF peer decodes greedily; use --compare llama.cpp "
+                          "or temperature 0")
     if a.compare and (a.load_format == "dummy" or _is_dummy(a.model, a.load_format)):
         raise ConfigError(f"--compare {a.compare} needs real weights (a GGUF file or HF directory, "
                           f"llama.cpp: a GGUF file), not the dummy model {a.model!r}")
@@ -125,7 +143,7 @@ def cmd_bench_latency(a: argparse.Namespace) -> int:
 
     llm = build_llm(a)
     rep = run_latency_bench(llm, a.contexts, a.output_tokens, a.concurrency, a.concurrency_prompt_tokens,
-                            a.concurrency_output_tokens, compare=a.compare)
+                            a.concurrency_output_tokens, compare=a.compare, temperature=a.temperature)
     print(format_report(rep))
     if a.json:
         save_json(rep, a.json)

@@ -54,6 +54,7 @@ class LatencyReport:
     setup: str = ""  # matrix storage and KV cache dtype, e.g. "matrices: 120 int4, 1 int8; KV int8"
     threads: int = 0  # torch / kernel threads of the run (0: not recorded)
     throughput: list[ThroughputResult] = field(default_factory=list)
+    temperature: float = 0.0  # of every run; 0 = greedy
 
 
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -62,10 +63,10 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(100, min(vocab, 30000)) for _ in range(n)]
 
 
-def run_context(llm, ctx: int, output_tokens: int, read_bw: float) -> ContextResult:
+def run_context(llm, ctx: int, output_tokens: int, read_bw: float, temperature: float = 0.0) -> ContextResult:
     eng = llm.engine
     prompt = random_prompt(ctx, eng.vocab_size, seed=ctx)
-    sp = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=temperature, max_tokens=output_tokens, ignore_eos=True, seed=ctx)
     first = eng.num_steps + 1
     lat = llm.generate([prompt], sp)[0].latency
     decode = [s for s in eng.step_stats if s.step >= first and s.is_decode_only]
@@ -92,9 +93,9 @@ def step_read_gb_per_s(step_bytes: float, read_bw: float) -> float | None:
 
 
 def run_concurrency(llm, c: int, prompt_tokens: int, output_tokens: int,
-                    read_bw: float | None = None) -> ThroughputResult:
+                    read_bw: float | None = None, temperature: float = 0.0) -> ThroughputResult:
     prompts = [random_prompt(prompt_tokens, llm.engine.vocab_size, seed=1000 + i) for i in range(c)]
-    sp = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=temperature, max_tokens=output_tokens, ignore_eos=True)
     first = llm.engine.num_steps + 1
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp)
@@ -115,19 +116,23 @@ def roofline_seconds(steps, read_bw: float) -> float:
 
 
 def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency: list[int],
-                      conc_prompt_tokens: int, conc_output_tokens: int, compare: str | None = None) -> LatencyReport:
+                      conc_prompt_tokens: int, conc_output_tokens: int, compare: str | None = None,
+                      temperature: float = 0.0) -> LatencyReport:
+    """Every run greedy (``temperature`` 0) or sampling the whole distribution at ``temperature`` (no
+    top-k/top-p; the llama.cpp peer likewise), so a sampler's cost shows in TTFT and ITL."""
     read_bw = measure_read_bandwidth()
     eng = llm.engine
     from kvserve.cli import _weight_kinds, kv_dtype_name
 
     setup = f"{_weight_kinds(eng).strip().strip('()')}; KV {kv_dtype_name(eng.kv_spec)}".lstrip("; ")
     report = LatencyReport(eng.model_name, str(eng.dtype).removeprefix("torch."), read_bw / 1e9, setup=setup,
-                           threads=torch.get_num_threads())
+                           threads=torch.get_num_threads(), temperature=temperature)
     llm.generate([random_prompt(16, eng.vocab_size, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     for ctx in contexts:
-        report.contexts.append(run_context(llm, ctx, output_tokens, read_bw))
+        report.contexts.append(run_context(llm, ctx, output_tokens, read_bw, temperature))
     for c in concurrency:
-        report.throughput.append(run_concurrency(llm, c, conc_prompt_tokens, conc_output_tokens, read_bw))
+        report.throughput.append(run_concurrency(llm, c, conc_prompt_tokens, conc_output_tokens, read_bw,
+                                                 temperature))
     if compare:
         _add_peer(llm, report, output_tokens, compare)
     return report
@@ -144,7 +149,8 @@ def _add_peer(llm, report: LatencyReport, output_tokens: int, peer: str) -> None
     contexts, threads = [r.context_tokens for r in report.contexts], torch.get_num_threads()
     if peer == "llama.cpp":
         from kvserve.bench.llamacpp_peer import run_llamacpp_in_subprocess
-        results = run_llamacpp_in_subprocess(source, contexts, output_tokens, eng.vocab_size, threads)
+        results = run_llamacpp_in_subprocess(source, contexts, output_tokens, eng.vocab_size, threads,
+                                             report.temperature)
     else:
         from kvserve.bench.hf_peer import run_hf_in_subprocess
         results = run_hf_in_subprocess(source, eng.dtype, contexts, output_tokens, eng.vocab_size, threads)
@@ -157,7 +163,8 @@ def format_report(rep: LatencyReport) -> str:
     peer = rep.peer or ""
     setup = f"; {rep.setup}" if rep.setup else ""
     threads = f"; {rep.threads} thread{'s' if rep.threads != 1 else ''}" if rep.threads else ""
-    lines = [f"kvserve bench latency — {rep.model} ({rep.dtype}{setup}{threads}); plain read bandwidth "
+    sampling = f"; temperature {rep.temperature:g}, full distribution" if rep.temperature else "; greedy"
+    lines = [f"kvserve bench latency — {rep.model} ({rep.dtype}{setup}{threads}{sampling}); plain read bandwidth "
              f"{rep.read_gb_per_s:.1f} GB/s",
              "", "batch 1" + (f" (ratios: kvserve ÷ {peer}, < 1 = kvserve faster)" if _has_peer(rep) else "") + ":",
              f"{'context':>8} {'TTFT ms':>9} {'ITL p50':>8} {'ITL p90':>8} {'MB/step':>8} {'GB/s':>6} {'% read':>7} "
