@@ -309,3 +309,43 @@ def test_nucleus_of_ties_at_a_huge_logit_and_at_an_exact_boundary():
 def test_a_row_that_is_not_a_distribution_still_draws_a_valid_id():
     for bad in (torch.zeros(1, 7), torch.full((1, 7), float("nan"))):
         assert 0 <= sample_from_probs(bad, [None]).item() < 7
+
+
+def test_two_level_cdf_search_matches_the_distribution_across_blocks():
+    """Mass on both sides of block edges (255 | 256, 511 | 512) and in a last partial block of a
+    1000-token vocabulary: 20,000 draws pass a chi-square test against the probabilities (df = 7)."""
+    ids = [0, 255, 256, 511, 512, 700, 998, 999]
+    weights = torch.tensor([0.05, 0.2, 0.1, 0.15, 0.05, 0.25, 0.1, 0.1])
+    n = 20000
+    probs = torch.zeros(n, 1000)
+    probs[:, ids] = weights
+    torch.manual_seed(7)
+    tokens = sample_from_probs(probs, [None] * n)
+    assert set(tokens.tolist()) <= set(ids)
+    observed = torch.tensor([(tokens == i).sum().item() for i in ids], dtype=torch.float64)
+    expected = weights.double() * n
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_CRIT_DF7_ALPHA_0_001, (chi2, observed.tolist())
+
+
+@pytest.mark.parametrize("u", [0.0, 1.0 - 2.0 ** -53])
+def test_two_level_cdf_search_keeps_zeros_out_at_the_rounding_edges(u, monkeypatch):
+    """Tiny masses in the middle of blocks, zeros around them: a target that rounding puts just before a
+    block or past its end still draws a token of that block with probability > 0."""
+    probs = torch.zeros(1, 700)
+    probs[0, [3, 300, 310, 650]] = torch.tensor([1e-30, 0.3, 1e-38, 0.7])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full((1,), u, dtype=torch.float64))
+    got = sample_from_probs(probs, [None]).item()
+    assert probs[0, got] > 0
+    assert got == (3 if u == 0.0 else 650)
+
+
+def test_two_level_cdf_search_when_the_block_sum_exceeds_its_running_sum(monkeypatch):
+    """1.0 then 200 masses of 1e-17: the block's float64 sum keeps them (1 + 2e-15), the running sum
+    inside it rounds each away (1.0), so a target near the total falls past the running sum's end. The
+    draw is the block's last token with probability > 0 (200), not the zero after it."""
+    probs = torch.zeros(1, 256)
+    probs[0, 0], probs[0, 1:201] = 1.0, 1e-17
+    assert probs.sum(dtype=torch.float64) > probs.cumsum(-1, dtype=torch.float64)[0, -1]  # the premise
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full((1,), 1.0 - 2.0 ** -53, dtype=torch.float64))
+    assert sample_from_probs(probs, [None]).item() == 200

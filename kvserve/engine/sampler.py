@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.outputs import TokenLogprobs
 from kvserve.sampling_params import SamplingParams
@@ -172,6 +173,7 @@ def token_counts(id_lists: list[list[int]], vocab_size: int, device: torch.devic
 # the next size's; only a nucleus that reaches past the last (or a tie at the edge) sorts the whole
 # vocabulary. Here, for 49,152 logits: topk 1024 ~0.4 ms, a full stable sort ~11 ms.
 NUCLEUS_CANDIDATES = (1024, 8192)
+CDF_BLOCK = 256  # tokens per block of the two-level CDF search in sample_from_probs
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -285,12 +287,28 @@ def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | No
     for i, g in enumerate(generators):
         if g is not None:
             u[i] = torch.rand(1, generator=g, dtype=torch.float64, device=g.device).item()
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    # u ≤ 1 − 2⁻⁵³, so u·total < total (the exact product total − total·2⁻⁵³ rounds down): the first cdf
-    # entry above the target exists and belongs to a token of probability > 0
-    target = u.to(cdf.device).unsqueeze(1) * cdf[:, -1:]
-    # a row of zeros or NaN (not a distribution) would give vocab_size: its last id instead
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    # two levels, both in float64: the block of CDF_BLOCK tokens whose cumulative mass first exceeds the
+    # target, then the token inside it (a float64 cumsum of all 49,152 probabilities cost 4.4 ms for 16
+    # rows here; the block sums 0.4)
+    num_blocks = -(-probs.shape[1] // CDF_BLOCK)
+    pad = num_blocks * CDF_BLOCK - probs.shape[1]  # zeros: never drawn
+    padded = (F.pad(probs, (0, pad)) if pad else probs.contiguous()).view(n, num_blocks, CDF_BLOCK)
+    block_cdf = padded.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [n, num_blocks]
+    # u ≤ 1 − 2⁻⁵³, so u·total < total (the exact product total − total·2⁻⁵³ rounds down)
+    target = u.to(probs.device).unsqueeze(1) * block_cdf[:, -1:]
+    blk = torch.searchsorted(block_cdf, target, right=True).clamp_(max=num_blocks - 1)  # [n, 1]; its mass > 0
+    before = torch.where(blk > 0, block_cdf.gather(1, (blk - 1).clamp(min=0)), torch.zeros_like(target))
+    inside = padded.gather(1, blk.unsqueeze(2).expand(n, 1, CDF_BLOCK)).squeeze(1)  # [n, CDF_BLOCK]
+    pos = torch.searchsorted(before + inside.cumsum(dim=-1, dtype=torch.float64), target, right=True)
+    # The block sum and the running sum inside it round differently, so the target can land just before
+    # the block (pos 0) or past its end (pos CDF_BLOCK): take the block's first or last token of
+    # probability > 0 then, never a zero (also for a row of zeros or NaN: an id inside the vocabulary).
+    live = inside > 0
+    idx = torch.arange(CDF_BLOCK, device=probs.device).expand(n, CDF_BLOCK)
+    first_live = torch.where(live, idx, CDF_BLOCK).amin(dim=-1, keepdim=True)
+    last_live = torch.where(live, idx, -1).amax(dim=-1, keepdim=True)
+    pos = torch.maximum(torch.minimum(pos, last_live), first_live).clamp_(0, CDF_BLOCK - 1)
+    return (blk * CDF_BLOCK + pos).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 # ---------------------------------------------------------------------------------------- logprobs
