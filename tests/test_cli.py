@@ -253,8 +253,11 @@ def test_bench_latency_temperature_reaches_every_run_and_the_llamacpp_peer(monke
     monkeypatch.setattr(latency, "measure_read_bandwidth", lambda n=1 << 30, repeats=5: 20e9)
     rep = latency.run_latency_bench(llm, [16], 3, [1, 2], 8, 3, temperature=0.7)
     assert [sp.temperature for sp in seen[1:]] == [0.7, 0.7, 0.7]  # after the warm-up: context, 1, 2 requests
-    assert "temperature 0.7, full distribution" in latency.format_report(rep).splitlines()[0]
-    assert "; greedy" in latency.format_report(latency.LatencyReport("m", "f", 20.0)).splitlines()[0]
+    text = latency.format_report(rep)
+    assert "temperature 0.7, full distribution" in text.splitlines()[0]
+    assert "concurrency (temperature 0.7, ignore_eos" in text and "greedy" not in text
+    greedy = latency.format_report(latency.LatencyReport("m", "f", 20.0, throughput=rep.throughput))
+    assert "; greedy" in greedy.splitlines()[0] and "concurrency (greedy, ignore_eos" in greedy
 
     class FakeLlama:
         def reset(self):

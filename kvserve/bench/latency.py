@@ -189,7 +189,8 @@ def format_report(rep: LatencyReport) -> str:
         lines.append(f"  ITL slope over context: {slope:.1f} GB/s of extra KV bytes per extra ms "
                      f"(plain read {rep.read_gb_per_s:.1f} GB/s; equal = attention time grows with KV bytes ÷ bandwidth)")
     if rep.throughput:
-        lines += ["", "concurrency (greedy, ignore_eos; roofline: decode-only steps at the plain read, steps "
+        how = f"temperature {rep.temperature:g}" if rep.temperature else "greedy"
+        lines += ["", f"concurrency ({how}, ignore_eos; roofline: decode-only steps at the plain read, steps "
                   "with prefill as measured):",
                   f"{'requests':>8} {'prompt':>7} {'output':>7} {'wall s':>7} {'out tok/s':>10} {'vs batch 1':>10} "
                   f"{'mean TTFT':>10} {'mean ITL':>9} {'roofline tok/s':>15} {'vs batch 1':>10}"]
