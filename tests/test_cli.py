@@ -48,7 +48,9 @@ def test_bench_latency_tables(tmp_path):
     assert "(float32; matrices: 9 int4; KV fp8_e4m3; " in r.stdout  # what ran (2 layers x 4 + LM head), by flag names
     data = json.loads(out.read_text())
     n = data["threads"]
-    assert n >= 1 and f"; {n} thread{'s' if n != 1 else ''})" in r.stdout  # the run's thread count, "1 thread" singular
+    # the run's thread count ("1 thread" singular), then the sampling
+    assert n >= 1 and f"; {n} thread{'s' if n != 1 else ''}; greedy)" in r.stdout
+    assert data["temperature"] == 0.0
     assert [c["context_tokens"] for c in data["contexts"]] == [32, 64]
     assert data["contexts"][1]["decode_bytes_per_step"] > data["contexts"][0]["decode_bytes_per_step"]
     assert [t["concurrency"] for t in data["throughput"]] == [1, 2]
