@@ -349,3 +349,14 @@ def test_two_level_cdf_search_when_the_block_sum_exceeds_its_running_sum(monkeyp
     assert probs.sum(dtype=torch.float64) > probs.cumsum(-1, dtype=torch.float64)[0, -1]  # the premise
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.full((1,), 1.0 - 2.0 ** -53, dtype=torch.float64))
     assert sample_from_probs(probs, [None]).item() == 200
+
+
+def test_rows_that_fall_back_in_a_different_order_keep_their_own_settings():
+    """Four tied rows with different settings all fall back to the full sort in the second round, in
+    the order their groups came (0, 3, 1, 2): each must still get its own row's probabilities."""
+    logits = torch.zeros(4, 1000)
+    params = [SamplingParams(top_p=0.99), SamplingParams(top_k=50, top_p=0.99, min_p=0.99),
+              SamplingParams(top_k=380, top_p=0.9, min_p=0.5), SamplingParams(top_p=0.5, min_p=0.99)]
+    together = sampling_probs(logits.clone(), params)
+    for r in range(4):
+        assert torch.equal(together[r], sampling_probs(logits[r:r + 1].clone(), [params[r]])[0]), r

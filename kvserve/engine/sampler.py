@@ -171,8 +171,10 @@ def token_counts(id_lists: list[list[int]], vocab_size: int, device: torch.devic
 
 # Rows with top-p but no top-k look for their nucleus among this many most likely tokens, then among
 # the next size's; only a nucleus that reaches past the last (or a tie at the edge) sorts the whole
-# vocabulary. Here, for 49,152 logits: topk 1024 ~0.4 ms, a full stable sort ~11 ms.
-NUCLEUS_CANDIDATES = (1024, 8192)
+# vocabulary. Here, for 49,152 logits: topk(128) then ordering ~0.3 ms, topk(1024) ~0.9 ms, a full
+# stable sort ~11 ms. SmolLM2 sampling 6 prompts × 96 tokens: nucleus p50 / p90 / max 4 / 45 / 654
+# tokens at T 0.8, top-p 0.95; 57 / 823 / 6537 at T 1, top-p 0.95.
+NUCLEUS_CANDIDATES = (128, 1024, 8192)
 CDF_BLOCK = 256  # tokens per block of the two-level CDF search in sample_from_probs
 
 
@@ -202,8 +204,10 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
             return probs
     else:
         probs = torch.empty_like(logits)
-    sub, sub_params, sub_min_p = logits[ranked], [params[i] for i in ranked], min_p[ranked]
-    got = torch.empty_like(sub)
+    everyone = len(ranked) == len(params)  # no index copies of [rows, vocab] tensors then (~0.1 ms each)
+    sub = logits if everyone else logits[ranked]
+    sub_params, sub_min_p = [params[i] for i in ranked], min_p if everyone else min_p[ranked]
+    got: torch.Tensor | None = None
     todo = list(range(len(ranked)))  # rows of sub not done yet
     for step, size in enumerate((*NUCLEUS_CANDIDATES, None)):
         # rows grouped by candidate count, so a row's arithmetic does not depend on the rest of the batch
@@ -214,15 +218,25 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
             groups.setdefault(None if wanted is None or wanted >= vocab_size else wanted, []).append(i)
         todo = []
         for wanted, idx in groups.items():
-            rows, row_params = sub[idx], [sub_params[i] for i in idx]
+            whole = idx == list(range(len(ranked)))  # every row, in order: sub itself
+            rows, row_params, row_min_p = (sub, sub_params, sub_min_p) if whole else (
+                sub[idx], [sub_params[i] for i in idx], sub_min_p[idx])
             if wanted is None:  # the whole vocabulary in order
-                got[idx] = _masked_probs(rows, *_order(rows), row_params, sub_min_p[idx])
-                continue
-            part, exact = _masked_probs(rows, *_order(rows, wanted), row_params, sub_min_p[idx], candidates=True)
-            got[idx] = part
-            todo += [i for i, ok in zip(idx, exact.tolist()) if not ok]
+                part, exact = _masked_probs(rows, *_order(rows), row_params, row_min_p), None
+            else:
+                part, exact = _masked_probs(rows, *_order(rows, wanted), row_params, row_min_p, candidates=True)
+                todo += [i for i, ok in zip(idx, exact.tolist()) if not ok]
+            if whole and got is None:
+                got = part
+            else:
+                if got is None:
+                    got = torch.empty_like(sub)
+                got[idx] = part
+        todo.sort()
         if not todo:
             break
+    if everyone:
+        return got
     probs[ranked] = got
     return probs
 
