@@ -212,6 +212,44 @@ def test_vectorized_decode_matches_quantized_reference(kind, head_dim, block_siz
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("head_dim,block_size,heads,lens", [
+    (64, 16, (9, 3), [0, 14, 15, 16, 39, 600]),  # SmolLM2's heads; partial and whole 16-row tiles
+    (128, 32, (8, 2), [2, 31, 1029]),  # two tiles per block; a sequence over three chunks
+    (64, 16, (16, 1), [19, 46])])  # 16 queries: a full tile of columns
+def test_key_pass_on_bfloat16_queries_matches_quantized_reference(kind, head_dim, block_size, heads, lens):
+    """The decode step of a bfloat16 model over a 1-byte cache (queries hold bfloat16 values, q_bf16 = 1,
+    as the one-call step passes them): k_pass_codes, against the reference over the same codes. Slots
+    past each sequence's end hold NaN scales: a 16-row group that lets one into a score turns the output
+    NaN. (An AMX key pass over codes converted to bfloat16 ran 4 % slower than this one; not kept.)"""
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        pytest.skip("no C compiler: the kernel path is not built here")
+    num_heads, num_kv_heads = heads
+    g = torch.Generator().manual_seed(3)
+    kc = QuantizedKVCache.zeros(kind, 300, block_size, num_kv_heads, head_dim)
+    vc = QuantizedKVCache.zeros(kind, 300, block_size, num_kv_heads, head_dim)
+    tables = scattered_tables(torch.randperm(300, generator=g).tolist(), lens, [1] * len(lens), block_size)
+    fill_context(kc, vc, tables, lens, block_size, num_kv_heads, head_dim, g)
+    meta = AttentionMetadata.build(tables, list(lens), [1] * len(lens), block_size)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g).bfloat16().float()
+    write_kv(kc, vc, torch.randn(len(lens), num_kv_heads, head_dim, generator=g),
+             torch.randn(len(lens), num_kv_heads, head_dim, generator=g), meta.slot_mapping)
+    for table, n in zip(tables, lens):  # stale slots after the last token of the last block
+        kc.scale[table[-1], (n + 1) - (len(table) - 1) * block_size:] = float("nan")
+        vc.scale[table[-1], (n + 1) - (len(table) - 1) * block_size:] = float("nan")
+    code = kv_quant_kernel.CODES[kind]
+    assert dll.kvq_key_pass(1, code, head_dim, num_heads // num_kv_heads, block_size) == 1
+    bt, sl, out = meta.block_tables.contiguous(), meta.seq_lens.contiguous(), torch.empty_like(q)
+    scale = head_dim ** -0.5
+    dll.kvq_decode_attention(q.data_ptr(), kc.codes.data_ptr(), vc.codes.data_ptr(), kc.scale.data_ptr(),
+                             vc.scale.data_ptr(), bt.data_ptr(), bt.stride(0), sl.data_ptr(), out.data_ptr(),
+                             len(lens), num_heads, num_kv_heads, head_dim, block_size, scale, code,
+                             torch.get_num_threads(), 1)
+    ref = reference_paged_attention(q, kc, vc, meta, scale)
+    assert (out - ref).abs().max() <= KERNEL_TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_torch_fallback_matches_kernel(kind, monkeypatch):
     fast, ref = _run(kind, 8, 2, [4, 7, 0, 9], [1, 1, 5, 3])
     monkeypatch.setattr(kv_quant_kernel, "load", lambda: None)
