@@ -395,3 +395,18 @@ def test_engine_overhead_probe_keeps_the_explained_models_head_shapes(monkeypatc
     for c in seen:
         assert (c.num_heads, c.num_kv_heads, c.head_dim) == (like.num_heads, like.num_kv_heads, like.head_dim)
         assert c.hidden_size == 64 and c.vocab_size == 1024
+
+
+def test_step_line_names_the_all_reduce_when_it_is_the_largest_term():
+    """A step whose all-reduce (6.8 ms) outweighs its weight read (2.7 ms) is all-reduce-bound, not
+    'memory-bound; largest term: comm' (DeepSeek-V3 at TP 8, batch 1); a weight-read step stays
+    memory-bound."""
+    from kvserve.planner.cost import StepCost
+    from kvserve.planner.report import _term_rows
+
+    comm = StepCost(1, 8317, 9.16e9, 0.58e9, 0.03e12, 2.73e-3, 0.17e-3, 0.06e-3, 6.84e-3, 2e-3)
+    assert _term_rows(comm)[-1].endswith("all-reduce-bound (largest term: comm; of memory vs compute: memory)")
+    weights = StepCost(1, 8317, 9.16e9, 0.58e9, 0.03e12, 2.73e-3, 0.17e-3, 0.06e-3, 0.5e-3, 0.2e-3)
+    assert _term_rows(weights)[-1].endswith("memory-bound; largest term: weights")
+    overhead = StepCost(1, 128, 1e8, 1e6, 1e9, 0.1e-3, 0.01e-3, 0.01e-3, 0.0, 2e-3)
+    assert "fixed overhead-bound" in _term_rows(overhead)[-1]

@@ -44,8 +44,18 @@ def _term_rows(d: StepCost) -> list[str]:
             f"   ({'hidden under memory' if d.bound == 'memory' else 'the bound'})",
             f"    all-reduce                   {t['comm_ms']:9.2f} ms",
             f"    fixed overhead               {t['overhead_ms']:9.2f} ms",
-            f"    = step                       {total:9.2f} ms   {d.bound}-bound; largest term: {d.dominant}"]
+            f"    = step                       {total:9.2f} ms   {_bound_words(d)}"]
     return rows
+
+
+def _bound_words(d: StepCost) -> str:
+    """What limits the step: memory or compute (whichever of the two overlapped parts is longer) when
+    that part is also the largest term; else the largest term (the all-reduce or the fixed overhead,
+    which add to it), with the overlapped part's bound beside it."""
+    if d.dominant in ("weights", "kv", "compute"):
+        return f"{d.bound}-bound; largest term: {d.dominant}"
+    name = {"comm": "all-reduce", "overhead": "fixed overhead"}[d.dominant]
+    return f"{name}-bound (largest term: {d.dominant}; of memory vs compute: {d.bound})"
 
 
 def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
