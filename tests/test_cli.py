@@ -287,3 +287,13 @@ def test_bench_latency_temperature_errors_name_the_flag(args, needle, capsys, mo
         rc = main(["bench", "latency", "--model", "smollm2-135m", "--contexts", "32", *args])
         assert rc != 0
     assert needle in capsys.readouterr().err
+
+
+def test_anatomy_step_table_shows_tokens_beside_sequences():
+    """A speculative verification step: 1 sequence, 5 tokens (its new token and 4 proposals)."""
+    from kvserve.metrics.report import _format_steps
+    from kvserve.metrics.step_stats import StepStats
+
+    lines = _format_steps([StepStats(3, 0.0, 0.01, 1, 5, 5, 80e6, 2e6, 100)], 8)
+    assert lines[2].split()[:3] == ["step", "seqs", "tokens"]
+    assert lines[3].split()[:3] == ["3", "1", "5"]

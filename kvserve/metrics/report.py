@@ -57,9 +57,10 @@ def _format_steps(steps: list[StepStats], max_rows: int) -> list[str]:
     pick = decode if not sampled else [decode[round(i * (len(decode) - 1) / (max_rows - 1))] for i in range(max_rows)]
     shown = f"; {len(pick)} of {len(decode)} steps shown, evenly spaced" if sampled else ""
     out = ["", f"  per decode step (bytes the step had to stream from memory{shown}):",
-           f"  {'step':>6} {'seqs':>5} {'weights':>10} {'KV':>10} {'KV/token':>9} {'time':>9} {'achieved':>11}"]
-    for s in pick:
-        out.append(f"  {s.step:>6} {s.num_seqs:>5} {_fmt_bytes(s.weight_bytes):>10} {_fmt_bytes(s.kv_bytes_read):>10} "
+           f"  {'step':>6} {'seqs':>5} {'tokens':>6} {'weights':>10} {'KV':>10} {'KV/token':>9} {'time':>9} {'achieved':>11}"]
+    for s in pick:  # tokens > seqs: speculative proposals verified beside each sequence's new token
+        out.append(f"  {s.step:>6} {s.num_seqs:>5} {s.num_tokens:>6} {_fmt_bytes(s.weight_bytes):>10} "
+                   f"{_fmt_bytes(s.kv_bytes_read):>10} "
                    f"{s.kv_bytes_per_token:>7} B {s.wall_s * 1e3:>6.2f} ms {s.achieved_bytes_per_s / 1e9:>7.2f} GB/s")
     bw = sum(s.total_bytes for s in decode) / sum(s.wall_s for s in decode)
     kv_share = mean([s.kv_bytes_read / s.total_bytes for s in decode])
