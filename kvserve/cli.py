@@ -99,7 +99,18 @@ def model_header(llm) -> str:
             f"x {cfg.head_dim}, {str(eng.dtype).removeprefix('torch.')}{_weight_kinds(eng)}, weights {eng.weight_bytes_per_step / 1e6:.1f} MB "
             f"read per step\n  KV cache {kv_dtype_name(eng.kv_spec)}: "
             f"{eng.kv_spec.bytes_per_token:,} B/token{' (incl. float32 scales)' if eng.kv_spec.is_quantized else ''}, "
-            f"{eng.num_kv_blocks} blocks x {eng.kv_spec.block_size} tokens{_window_note(eng.kv_spec)}")
+            f"{eng.num_kv_blocks} blocks x {eng.kv_spec.block_size} tokens{_window_note(eng.kv_spec)}"
+            f"{_spec_note(eng.config.spec_decode)}")
+
+
+def _spec_note(spec) -> str:
+    """The speculative-decoding line of the header ('' when off): method, proposals per step, and the
+    draft model or the prompt-lookup n-gram range."""
+    if spec.method is None:
+        return ""
+    source = (f"draft model {spec.draft_model}" if spec.method == "draft"
+              else f"prompt lookup of {spec.prompt_lookup_min}-{spec.prompt_lookup_max}-grams")
+    return f"\n  speculative decoding: {spec.method}, {spec.num_speculative_tokens} proposals per step ({source})"
 
 
 def _window_note(spec) -> str:

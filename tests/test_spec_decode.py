@@ -158,3 +158,16 @@ def test_stop_string_inside_an_accepted_run_drops_the_tokens_after_it():
     assert want.finish_reason == got.finish_reason == "stop"
     assert got.text == want.text and got.token_ids == want.token_ids
     assert len(got.latency.itl_ms) == len(got.token_ids) - 1
+
+
+def test_anatomy_header_names_the_speculation():
+    """The model header of the anatomy says which speculation ran: the draft model by name, or the
+    n-gram range; nothing when speculation is off."""
+    from kvserve.cli import model_header
+
+    draft = tiny_llm(speculative_method="draft", draft_model="tiny-llama", draft_load_format="dummy",
+                     num_speculative_tokens=4)
+    assert "speculative decoding: draft, 4 proposals per step (draft model tiny-llama)" in model_header(draft)
+    ngram = tiny_llm(speculative_method="ngram")
+    assert "speculative decoding: ngram, 3 proposals per step (prompt lookup of 1-4-grams)" in model_header(ngram)
+    assert "speculative" not in model_header(tiny_llm())
