@@ -20,6 +20,7 @@ class InvalidRequestError(ValueError):
 _MAX_LOGPROBS = 20
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 _GREEDY_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32: sample greedily (as vLLM)
+TEMPERATURE_MAX = 2.0  # OpenAI's range for temperature: [0, 2]
 _SEED_LIMIT = 2**63  # a 64-bit seed (seed + i for the i-th of n sequences stays below 2**64)
 
 
@@ -76,7 +77,7 @@ class SamplingParams:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         _int_at_least("n", self.n, 1)
-        _number_in("temperature", self.temperature, 0.0, 2.0)
+        _number_in("temperature", self.temperature, 0.0, TEMPERATURE_MAX)
         _number_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
         _int_at_least("top_k", self.top_k, 0)
         _number_in("min_p", self.min_p, 0.0, 1.0)

@@ -15,13 +15,15 @@ def _ints(text: str) -> list[int]:
 
 
 def _temperature(text: str) -> float:
-    """argparse type: a sampling temperature in [0, 2] (SamplingParams' range)."""
+    """argparse type: a sampling temperature in SamplingParams' range [0, TEMPERATURE_MAX]."""
+    from kvserve.sampling_params import TEMPERATURE_MAX
+
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= value <= 2.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2], got {text}")
+    if not 0.0 <= value <= TEMPERATURE_MAX:
+        raise argparse.ArgumentTypeError(f"must be in [0, {TEMPERATURE_MAX:g}], got {text}")
     return value
 
 
