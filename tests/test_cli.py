@@ -275,6 +275,31 @@ def test_bench_latency_temperature_reaches_every_run_and_the_llamacpp_peer(monke
         assert (calls[0]["temp"], calls[0]["top_k"], calls[0]["top_p"], calls[0]["min_p"]) == (temperature, top_k, 1.0, 0.0)
 
 
+def test_bench_latency_concurrency_runs_prefill_every_prompt(monkeypatch):
+    """Each concurrency run sends prompts no earlier run sent: with the prefix cache on (the default), a
+    repeated prompt skips its prefill and flatters that run's tokens/s. Every run's steps must compute
+    all c × prompt tokens."""
+    from kvserve.bench import latency
+    from tests.conftest import tiny_llm
+
+    llm = tiny_llm(block_size=16)
+    assert llm.engine.config.cache.enable_prefix_caching
+    eng = llm.engine
+    runs = []
+    real = latency.run_concurrency
+
+    def spy(llm_, c, *a, **k):
+        first = eng.num_steps + 1
+        r = real(llm_, c, *a, **k)
+        runs.append((c, sum(s.num_prefill_tokens for s in eng.step_stats if s.step >= first)))
+        return r
+
+    monkeypatch.setattr(latency, "run_concurrency", spy)
+    monkeypatch.setattr(latency, "measure_read_bandwidth", lambda n=1 << 30, repeats=5: 20e9)
+    latency.run_latency_bench(llm, [], 2, [1, 2, 3], 48, 2)
+    assert runs == [(1, 48), (2, 96), (3, 144)]
+
+
 @pytest.mark.parametrize("args,needle", [(["--temperature", "2.5"], "--temperature: must be in [0, 2]"),
                                          (["--temperature", "hot"], "--temperature: expected a number"),
                                          (["--temperature", "0.5", "--compare", "hf"], "the HF peer decodes greedily")])

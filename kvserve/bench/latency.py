@@ -93,8 +93,10 @@ def step_read_gb_per_s(step_bytes: float, read_bw: float) -> float | None:
 
 
 def run_concurrency(llm, c: int, prompt_tokens: int, output_tokens: int,
-                    read_bw: float | None = None, temperature: float = 0.0) -> ThroughputResult:
-    prompts = [random_prompt(prompt_tokens, llm.engine.vocab_size, seed=1000 + i) for i in range(c)]
+                    read_bw: float | None = None, temperature: float = 0.0, first_seed: int = 1000) -> ThroughputResult:
+    """``c`` requests at once, prompts from seeds ``first_seed`` .. ``first_seed + c - 1``. Give each run
+    its own seeds: a prompt an earlier run already sent is a prefix-cache hit and skips its prefill."""
+    prompts = [random_prompt(prompt_tokens, llm.engine.vocab_size, seed=first_seed + i) for i in range(c)]
     sp = SamplingParams(temperature=temperature, max_tokens=output_tokens, ignore_eos=True)
     first = llm.engine.num_steps + 1
     t0 = time.perf_counter()
@@ -130,9 +132,11 @@ def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency:
     llm.generate([random_prompt(16, eng.vocab_size, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     for ctx in contexts:
         report.contexts.append(run_context(llm, ctx, output_tokens, read_bw, temperature))
+    first_seed = 1000  # every run's prompts new to the prefix cache (runs 1, 4, 16 once shared seeds 1000-1003)
     for c in concurrency:
         report.throughput.append(run_concurrency(llm, c, conc_prompt_tokens, conc_output_tokens, read_bw,
-                                                 temperature))
+                                                 temperature, first_seed))
+        first_seed += c
     if compare:
         _add_peer(llm, report, output_tokens, compare)
     return report
