@@ -300,6 +300,69 @@ def test_bench_latency_concurrency_runs_prefill_every_prompt(monkeypatch):
     assert runs == [(1, 48), (2, 96), (3, 144)]
 
 
+def test_bench_latency_repeats_report_medians_of_fresh_rounds(monkeypatch):
+    """--repeats 3: three rounds, each with its own 1 GiB plain read (10, 40, 20 GB/s here), its own
+    prompts (every round prefills all its prompt tokens) and its own peer run on the same prompts. Each
+    reported figure is the median of the rounds' (hand-checked below from the rounds themselves), and
+    % read is the median of each round's achieved ÷ that round's read."""
+    import statistics
+
+    from kvserve.bench import latency, llamacpp_peer
+    from kvserve.models import catalog
+    from tests.conftest import tiny_llm
+
+    llm = tiny_llm(block_size=16)
+    eng = llm.engine
+    reads = iter([10e9, 40e9, 20e9])
+    monkeypatch.setattr(latency, "measure_read_bandwidth",
+                        lambda n=1 << 30, repeats=5: next(reads) if n == 1 << 30 else 30e9)
+    rounds, prefill = [], []
+    real = latency.run_context
+
+    def spy(llm_, ctx, *a, **k):
+        first = eng.num_steps + 1
+        rounds.append(real(llm_, ctx, *a, **k))
+        prefill.append(sum(s.num_prefill_tokens for s in eng.step_stats if s.step >= first))
+        return rounds[-1]
+
+    peer_rounds, peer_itl = [], {0: [5.0, 5.0], 1: [9.0, 9.0], 2: [7.0, 7.0]}
+
+    def fake_peer(source, contexts, output_tokens, vocab, threads, temperature, round_):
+        peer_rounds.append((contexts, round_))
+        return {c: {"ttft_ms": 100.0 + round_, "itl_ms": peer_itl[round_]} for c in contexts}
+
+    monkeypatch.setattr(latency, "run_context", spy)
+    monkeypatch.setattr(llamacpp_peer, "run_llamacpp_in_subprocess", fake_peer)
+    monkeypatch.setattr(catalog, "resolve_model", lambda model, fmt: None)
+    rep = latency.run_latency_bench(llm, [32], 3, [1], 16, 2, compare="llama.cpp", repeats=3)
+    assert prefill == [32, 32, 32] and peer_rounds == [([32], 0), ([32], 1), ([32], 2)]
+    assert rep.read_gb_per_s == 20.0 and rep.read_rounds_gb_per_s == [10.0, 40.0, 20.0]
+    row = rep.contexts[0]
+    assert row.rounds == 3 and row.context_tokens == 32
+    assert row.itl_p50_rounds_ms == [r.itl_p50_ms for r in rounds]
+    assert row.itl_p50_ms == statistics.median(r.itl_p50_ms for r in rounds)
+    assert row.ttft_ms == statistics.median(r.ttft_ms for r in rounds)
+    shares = [r.achieved_gb_per_s / bw for r, bw in zip(rounds, [10.0, 40.0, 20.0])]
+    assert row.read_share == pytest.approx(statistics.median(shares))
+    assert row.peer_itl_p50_ms == 7.0 and row.peer_ttft_ms == 101.0 and row.peer_itl_p50_rounds_ms == [5.0, 9.0, 7.0]
+    assert rep.throughput[0].rounds == 3
+    text = latency.format_report(rep)
+    assert "medians of 3 rounds (plain read 10.0-40.0 GB/s" in text and "llama.cpp ITL p50 per round: 32: 5.00 9.00 7.00" in text
+    assert text.splitlines()[4].split()[6] == f"{100 * statistics.median(shares):.0f}%"
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
+        latency.run_latency_bench(llm, [32], 3, [], 16, 2, repeats=0)
+
+
+def test_bench_latency_repeats_flag_is_checked(capsys, monkeypatch):
+    from kvserve.bench import latency
+    from kvserve.cli import main
+
+    monkeypatch.setattr(latency, "run_latency_bench", lambda *a, **k: pytest.fail("benchmark ran"))
+    with pytest.raises(SystemExit):
+        main(["bench", "latency", *TINY, "--repeats", "0"])
+    assert "--repeats: must be >= 1, got 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args,needle", [(["--temperature", "2.5"], "--temperature: must be in [0, 2]"),
                                          (["--temperature", "hot"], "--temperature: expected a number"),
                                          (["--temperature", "0.5", "--compare", "hf"], "the HF peer decodes greedily")])

@@ -64,6 +64,10 @@ def add_bench_parser(sub) -> None:
                      help="sampling temperature of every run, in [0, 2] (default 0: greedy); above 0 the whole "
                           "distribution is sampled (no top-k/top-p), so the sampler's cost is in the ITL; the "
                           "llama.cpp peer samples the same way")
+    lat.add_argument("--repeats", type=_int_at_least(1), default=1,
+                     help="rounds of every run (plain read, contexts, concurrency, peer), reported as medians, "
+                          "each round's %% read against its own plain read: for hosts whose bandwidth moves "
+                          "with other tenants' load (default: 1)")
     lat.add_argument("--json", default=None, help="also write the figures to this JSON file")
     add_engine_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
@@ -145,7 +149,8 @@ def cmd_bench_latency(a: argparse.Namespace) -> int:
 
     llm = build_llm(a)
     rep = run_latency_bench(llm, a.contexts, a.output_tokens, a.concurrency, a.concurrency_prompt_tokens,
-                            a.concurrency_output_tokens, compare=a.compare, temperature=a.temperature)
+                            a.concurrency_output_tokens, compare=a.compare, temperature=a.temperature,
+                            repeats=a.repeats)
     print(format_report(rep))
     if a.json:
         save_json(rep, a.json)

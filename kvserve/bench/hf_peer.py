@@ -53,29 +53,31 @@ def hf_latency(model, prompt_ids: list[int], output_tokens: int) -> dict:
 
 
 def run_hf_in_subprocess(source: ModelSource, dtype: torch.dtype, contexts: list[int], output_tokens: int,
-                         vocab_size: int, n_threads: int) -> dict[int, dict]:
+                         vocab_size: int, n_threads: int, round_: int = 0) -> dict[int, dict]:
     """:func:`hf_latency` for each context (after a 4-token warm-up) in a fresh Python process with
-    ``n_threads`` torch threads. Returns {context: {"ttft_ms", "itl_ms"}}. ConfigError when the peer
+    ``n_threads`` torch threads, on round ``round_``'s prompts (``kvserve.bench.latency.context_seed``). Returns {context: {"ttft_ms", "itl_ms"}}. ConfigError when the peer
     fails (its message: e.g. :func:`load_hf_peer`'s for a dummy model)."""
     from kvserve.bench.peer_process import run_peer_process
 
     out = run_peer_process("kvserve.bench.hf_peer", [source.kind, source.path, str(dtype).removeprefix("torch."),
                                                      str(output_tokens), str(vocab_size), str(n_threads),
-                                                     *map(str, contexts)], "hf")
+                                                     str(round_), *map(str, contexts)], "hf")
     return {int(k): v for k, v in out.items()}
 
 
 def _main(argv: list[str]) -> None:
-    """``python -m kvserve.bench.hf_peer KIND PATH DTYPE OUTPUT_TOKENS VOCAB THREADS CTX...``: one JSON line."""
+    """``python -m kvserve.bench.hf_peer KIND PATH DTYPE OUTPUT_TOKENS VOCAB THREADS ROUND CTX...``: one
+    JSON line."""
     import json
 
-    from kvserve.bench.latency import random_prompt
+    from kvserve.bench.latency import context_seed, random_prompt
 
-    kind, path, dtype, output_tokens, vocab, threads, *contexts = argv
+    kind, path, dtype, output_tokens, vocab, threads, round_, *contexts = argv
     torch.set_num_threads(int(threads))
     model = load_hf_peer(ModelSource(kind, path, path), getattr(torch, dtype))
     hf_latency(model, random_prompt(16, int(vocab), 0), 4)  # warm-up
-    print(json.dumps({c: hf_latency(model, random_prompt(int(c), int(vocab), seed=int(c)), int(output_tokens))
+    print(json.dumps({c: hf_latency(model, random_prompt(int(c), int(vocab), seed=context_seed(int(c), int(round_))),
+                                         int(output_tokens))
                       for c in contexts}))
 
 

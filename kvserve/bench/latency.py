@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -30,6 +31,11 @@ class ContextResult:
     # plain read of a buffer of one decode step's bytes, read again and again as the steps read theirs
     # (GB/s): above the 1 GiB read when that many bytes stay in the last-level cache between steps
     step_read_gb_per_s: float | None = None
+    # achieved GB/s ÷ the 1 GiB plain read measured in the same round (None: use the report's read)
+    read_share: float | None = None
+    rounds: int = 1  # with --repeats: every figure above is the median over this many rounds
+    itl_p50_rounds_ms: list[float] = field(default_factory=list)  # each round's ITL p50
+    peer_itl_p50_rounds_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -42,6 +48,7 @@ class ThroughputResult:
     mean_ttft_ms: float
     mean_itl_ms: float
     roofline_tokens_per_s: float | None = None
+    rounds: int = 1  # with --repeats: medians over this many rounds
 
 
 @dataclass
@@ -55,6 +62,7 @@ class LatencyReport:
     threads: int = 0  # torch / kernel threads of the run (0: not recorded)
     throughput: list[ThroughputResult] = field(default_factory=list)
     temperature: float = 0.0  # of every run; 0 = greedy
+    read_rounds_gb_per_s: list[float] = field(default_factory=list)  # the 1 GiB plain read of each round
 
 
 def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
@@ -63,10 +71,21 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(100, min(vocab, 30000)) for _ in range(n)]
 
 
-def run_context(llm, ctx: int, output_tokens: int, read_bw: float, temperature: float = 0.0) -> ContextResult:
+ROUND_SEED_STRIDE = 1_000_003  # round r's prompt of n tokens: seed n + r · this (round 0: seed n)
+
+
+def context_seed(ctx: int, round_: int) -> int:
+    """The seed of the ``ctx``-token prompt of round ``round_`` (the peers use the same): each round's
+    prompt is new to the prefix cache, which would otherwise skip the repeated prefill."""
+    return ctx + round_ * ROUND_SEED_STRIDE
+
+
+def run_context(llm, ctx: int, output_tokens: int, read_bw: float, temperature: float = 0.0,
+                round_: int = 0) -> ContextResult:
     eng = llm.engine
-    prompt = random_prompt(ctx, eng.vocab_size, seed=ctx)
-    sp = SamplingParams(temperature=temperature, max_tokens=output_tokens, ignore_eos=True, seed=ctx)
+    seed = context_seed(ctx, round_)
+    prompt = random_prompt(ctx, eng.vocab_size, seed=seed)
+    sp = SamplingParams(temperature=temperature, max_tokens=output_tokens, ignore_eos=True, seed=seed)
     first = eng.num_steps + 1
     lat = llm.generate([prompt], sp)[0].latency
     decode = [s for s in eng.step_stats if s.step >= first and s.is_decode_only]
@@ -75,7 +94,8 @@ def run_context(llm, ctx: int, output_tokens: int, read_bw: float, temperature: 
     step_read = step_read_gb_per_s(bytes_per_step, read_bw)
     return ContextResult(ctx, lat.ttft_ms, lat.mean_itl_ms, lat.percentile_itl_ms(50), lat.percentile_itl_ms(90),
                          bytes_per_step, achieved / 1e9, bytes_per_step / read_bw * 1e3,
-                         step_read_gb_per_s=step_read)
+                         step_read_gb_per_s=step_read, read_share=achieved / read_bw,
+                         itl_p50_rounds_ms=[lat.percentile_itl_ms(50)])
 
 
 STEP_READ_MAX_BYTES = 1 << 30  # from the plain read's own size up, a step's bytes stream from DRAM anyway
@@ -119,48 +139,86 @@ def roofline_seconds(steps, read_bw: float) -> float:
 
 def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency: list[int],
                       conc_prompt_tokens: int, conc_output_tokens: int, compare: str | None = None,
-                      temperature: float = 0.0) -> LatencyReport:
+                      temperature: float = 0.0, repeats: int = 1) -> LatencyReport:
     """Every run greedy (``temperature`` 0) or sampling the whole distribution at ``temperature`` (no
-    top-k/top-p; the llama.cpp peer likewise), so a sampler's cost shows in TTFT and ITL."""
-    read_bw = measure_read_bandwidth()
+    top-k/top-p; the llama.cpp peer likewise), so a sampler's cost shows in TTFT and ITL.
+
+    ``repeats`` rounds, each: the 1 GiB plain read, every context, every concurrency, then the peer on
+    the same prompts. Every figure reported is the median over the rounds, and each round's share of
+    the plain read is taken against that round's own read: on a host whose bandwidth moves with other
+    tenants' load, one round can land on a quiet or a busy moment. ValueError if ``repeats`` < 1."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     eng = llm.engine
     from kvserve.cli import _weight_kinds, kv_dtype_name
 
     setup = f"{_weight_kinds(eng).strip().strip('()')}; KV {kv_dtype_name(eng.kv_spec)}".lstrip("; ")
-    report = LatencyReport(eng.model_name, str(eng.dtype).removeprefix("torch."), read_bw / 1e9, setup=setup,
+    report = LatencyReport(eng.model_name, str(eng.dtype).removeprefix("torch."), 0.0, setup=setup,
                            threads=torch.get_num_threads(), temperature=temperature)
     llm.generate([random_prompt(16, eng.vocab_size, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    for ctx in contexts:
-        report.contexts.append(run_context(llm, ctx, output_tokens, read_bw, temperature))
+    by_ctx: dict[int, list[ContextResult]] = {c: [] for c in contexts}
+    by_conc: dict[int, list[ThroughputResult]] = {c: [] for c in concurrency}
     first_seed = 1000  # every run's prompts new to the prefix cache (runs 1, 4, 16 once shared seeds 1000-1003)
-    for c in concurrency:
-        report.throughput.append(run_concurrency(llm, c, conc_prompt_tokens, conc_output_tokens, read_bw,
-                                                 temperature, first_seed))
-        first_seed += c
-    if compare:
-        _add_peer(llm, report, output_tokens, compare)
+    for r in range(repeats):
+        read_bw = measure_read_bandwidth()
+        report.read_rounds_gb_per_s.append(read_bw / 1e9)
+        for ctx in dict.fromkeys(contexts):
+            by_ctx[ctx].append(run_context(llm, ctx, output_tokens, read_bw, temperature, r))
+        for c in concurrency:
+            by_conc[c].append(run_concurrency(llm, c, conc_prompt_tokens, conc_output_tokens, read_bw,
+                                              temperature, first_seed))
+            first_seed += c
+        if compare and contexts:
+            _add_peer(llm, [by_ctx[c][-1] for c in dict.fromkeys(contexts)], output_tokens, compare, temperature, r)
+    report.peer = compare if compare and contexts else None
+    report.read_gb_per_s = statistics.median(report.read_rounds_gb_per_s)
+    report.contexts = [median_result(by_ctx[c]) for c in dict.fromkeys(contexts)]
+    report.throughput = [median_result(by_conc[c]) for c in concurrency]
     return report
 
 
-def _add_peer(llm, report: LatencyReport, output_tokens: int, peer: str) -> None:
-    """The same prompts through the peer, after the engine's runs (never concurrently with them), in
-    a process of its own with its users' OpenMP settings (:mod:`kvserve.bench.peer_process`)."""
+def median_result(results: list):
+    """One ContextResult or ThroughputResult from several rounds of the same run: each numeric field the
+    median over the rounds (None where any round has None; a value equal in every round, as the ints
+    that name the run, kept as it is), the per-round lists joined, ``rounds`` the count. Fields are
+    medians independently, so a row need not be any single round."""
+    out = {}
+    for f in fields(results[0]):
+        vals = [getattr(x, f.name) for x in results]
+        if f.name == "rounds":
+            out[f.name] = sum(vals)
+        elif isinstance(vals[0], list):
+            out[f.name] = [v for x in vals for v in x]
+        elif any(v is None for v in vals):
+            out[f.name] = None
+        elif all(v == vals[0] for v in vals):  # e.g. the ints that name the run: context, concurrency
+            out[f.name] = vals[0]
+        else:
+            out[f.name] = statistics.median(vals)
+    return replace(results[0], **out)
+
+
+def _add_peer(llm, rows: list[ContextResult], output_tokens: int, peer: str, temperature: float,
+              round_: int) -> None:
+    """Round ``round_``'s prompts through the peer, after the engine's runs of that round (never
+    concurrently with them), in a process of its own with its users' OpenMP settings
+    (:mod:`kvserve.bench.peer_process`); fills the peer columns of ``rows``."""
     from kvserve.models.catalog import resolve_model
 
     eng = llm.engine
     source = resolve_model(eng.config.model, eng.config.load_format)
-    report.peer = peer
-    contexts, threads = [r.context_tokens for r in report.contexts], torch.get_num_threads()
+    contexts, threads = [r.context_tokens for r in rows], torch.get_num_threads()
     if peer == "llama.cpp":
         from kvserve.bench.llamacpp_peer import run_llamacpp_in_subprocess
         results = run_llamacpp_in_subprocess(source, contexts, output_tokens, eng.vocab_size, threads,
-                                             report.temperature)
+                                             temperature, round_)
     else:
         from kvserve.bench.hf_peer import run_hf_in_subprocess
-        results = run_hf_in_subprocess(source, eng.dtype, contexts, output_tokens, eng.vocab_size, threads)
-    for r in report.contexts:
+        results = run_hf_in_subprocess(source, eng.dtype, contexts, output_tokens, eng.vocab_size, threads, round_)
+    for r in rows:
         res = results[r.context_tokens]
         r.peer_ttft_ms, r.peer_itl_p50_ms = res["ttft_ms"], percentile(res["itl_ms"], 50)
+        r.peer_itl_p50_rounds_ms = [r.peer_itl_p50_ms]
 
 
 def format_report(rep: LatencyReport) -> str:
@@ -177,13 +235,23 @@ def format_report(rep: LatencyReport) -> str:
     for r in rep.contexts:
         line = (f"{r.context_tokens:>8} {r.ttft_ms:>9.1f} {r.itl_p50_ms:>8.2f} {r.itl_p90_ms:>8.2f} "
                 f"{r.decode_bytes_per_step / 1e6:>8.1f} {r.achieved_gb_per_s:>6.1f} "
-                f"{100 * r.achieved_gb_per_s / rep.read_gb_per_s:>6.0f}% {r.roofline_itl_ms:>9.2f} ms")
+                f"{100 * _read_share(r, rep):>6.0f}% {r.roofline_itl_ms:>9.2f} ms")
         line += (f" {r.step_read_gb_per_s:>9.1f} {100 * r.achieved_gb_per_s / r.step_read_gb_per_s:>5.0f}%"
                  if r.step_read_gb_per_s else f" {'-':>9} {'-':>6}")
         if r.peer_itl_p50_ms is not None:
             line += (f" {r.peer_ttft_ms:>14.1f} {r.ttft_ms / r.peer_ttft_ms:>5.2f}x {r.peer_itl_p50_ms:>13.2f} "
                      f"{r.itl_p50_ms / r.peer_itl_p50_ms:>5.2f}x")
         lines.append(line)
+    rounds = max([r.rounds for r in rep.contexts] + [t.rounds for t in rep.throughput] + [1])
+    if rounds > 1:
+        reads = rep.read_rounds_gb_per_s
+        lines.append(f"  medians of {rounds} rounds (plain read {min(reads):.1f}-{max(reads):.1f} GB/s; % read against "
+                     "each round's own); ITL p50 per round: "
+                     + "; ".join(f"{r.context_tokens}: " + " ".join(f"{v:.2f}" for v in r.itl_p50_rounds_ms)
+                                 for r in rep.contexts))
+        if _has_peer(rep):
+            lines.append(f"  {peer} ITL p50 per round: " + "; ".join(
+                f"{r.context_tokens}: " + " ".join(f"{v:.2f}" for v in r.peer_itl_p50_rounds_ms) for r in rep.contexts))
     slope = kv_slope_gb_per_s(rep)
     lines += ["  GB/s: bytes ÷ wall time of the decode-only steps (≈ MB/step ÷ mean ITL); "
               "% read: of the plain read (1 GiB, from DRAM); roofline ITL: MB/step at the plain read",
@@ -210,6 +278,12 @@ def format_report(rep: LatencyReport) -> str:
                 line += f" {t.roofline_tokens_per_s:>15.1f} {ratio(t.roofline_tokens_per_s, roof_base)}"
             lines.append(line)
     return "\n".join(lines)
+
+
+def _read_share(r: ContextResult, rep: LatencyReport) -> float:
+    """Achieved ÷ plain read: the row's own (median of its rounds' shares) or, without one, against
+    the report's read."""
+    return r.read_share if r.read_share is not None else r.achieved_gb_per_s / rep.read_gb_per_s
 
 
 def kv_slope_gb_per_s(rep: LatencyReport) -> float | None:

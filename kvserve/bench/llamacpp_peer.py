@@ -43,32 +43,34 @@ def llamacpp_latency(llm, prompt_ids: list[int], output_tokens: int, temperature
 
 
 def run_llamacpp_in_subprocess(source: ModelSource, contexts: list[int], output_tokens: int, vocab_size: int,
-                               n_threads: int, temperature: float = 0.0) -> dict[int, dict]:
+                               n_threads: int, temperature: float = 0.0, round_: int = 0) -> dict[int, dict]:
     """Run :func:`llamacpp_latency` for each context in a fresh Python process (see
-    :mod:`kvserve.bench.peer_process`). Returns {context: {"ttft_ms", "itl_ms"}}. ConfigError if the
-    peer cannot run."""
+    :mod:`kvserve.bench.peer_process`) on round ``round_``'s prompts (``kvserve.bench.latency.context_seed``).
+    Returns {context: {"ttft_ms", "itl_ms"}}. ConfigError if the peer cannot run."""
     from kvserve.bench.peer_process import run_peer_process
 
     if source.kind != "gguf":
         raise ConfigError(f"--compare llama.cpp needs a GGUF model file, got a {source.kind} model ({source.name})")
     out = run_peer_process("kvserve.bench.llamacpp_peer", [source.path, str(output_tokens), str(vocab_size),
-                                                           str(n_threads), repr(temperature), *map(str, contexts)],
+                                                           str(n_threads), repr(temperature), str(round_),
+                                                           *map(str, contexts)],
                            "llama.cpp")
     return {int(k): v for k, v in out.items()}
 
 
 def _main(argv: list[str]) -> None:
-    """``python -m kvserve.bench.llamacpp_peer GGUF OUTPUT_TOKENS VOCAB THREADS TEMPERATURE CTX...``: one
-    JSON line."""
+    """``python -m kvserve.bench.llamacpp_peer GGUF OUTPUT_TOKENS VOCAB THREADS TEMPERATURE ROUND CTX...``:
+    one JSON line."""
     import json
 
-    from kvserve.bench.latency import random_prompt
+    from kvserve.bench.latency import context_seed, random_prompt
 
-    path, output_tokens, vocab, threads, temperature, *contexts = argv
+    path, output_tokens, vocab, threads, temperature, round_, *contexts = argv
     ctxs = [int(c) for c in contexts]
     llm = load_llamacpp_peer(ModelSource("gguf", path, path), max(ctxs) + int(output_tokens) + 16, int(threads))
     llamacpp_latency(llm, random_prompt(16, int(vocab), 0), 4)  # warm-up
-    out = {c: llamacpp_latency(llm, random_prompt(c, int(vocab), seed=c), int(output_tokens), float(temperature))
+    out = {c: llamacpp_latency(llm, random_prompt(c, int(vocab), seed=context_seed(c, int(round_))),
+                               int(output_tokens), float(temperature))
            for c in ctxs}
     print(json.dumps(out))
 
