@@ -148,12 +148,14 @@ def _bf16_kernel_vs_float64(num_heads, num_kv_heads, head_dim, block_size, seq_l
             assert (out[b, head].double() - want).abs().max() < 1e-5, (b, head)
 
 
-@pytest.mark.parametrize("heads", [(9, 3), (16, 1), (2, 2), (17, 1)], ids=["G3", "G16", "G1", "G17"])
+@pytest.mark.parametrize("heads", [(9, 3), (16, 1), (2, 2), (17, 1), (8, 4), (8, 2), (68, 17)],
+                         ids=["G3", "G16", "G1", "G17", "G2", "G4", "G4x17"])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (32, 32), (128, 16), (256, 16), (64, 8)])
 def test_bfloat16_pair_dot_k_pass_against_float64(heads, head_dim, block_size):
-    """Query groups of 1, 3, 16 and 17 rows, head dims of 1-8 pair-dot vectors, blocks of one and two
-    16-token groups and of 8 (partial groups in every block); sequences of 1, 15, 16, 17 and 300 tokens
-    (partial groups, several chunks)."""
+    """Query groups of 1, 2, 3, 4, 16 and 17 rows, head dims of 1-8 pair-dot vectors, blocks of one and
+    two 16-token groups and of 8 (partial groups in every block); sequences of 1, 15, 16, 17 and 300
+    tokens (partial groups, several chunks). On AMX: up to 4 queries per KV head and 64 in all take the
+    compact C store (G4 fills its four vectors), 68 queries and G16 the gather."""
     _bf16_kernel_vs_float64(*heads, head_dim, block_size, [1, 15, 16, 17, 300])
 
 

@@ -366,6 +366,17 @@ static inline __attribute__((always_inline)) void k_pass_amx(
     const int64_t stride = (int64_t)Hkv * d * 2;  /* bytes from one token's row to the next */
     float cbuf[16 * 16] __attribute__((aligned(64)));
     const __m512i col = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    /* up to 4 queries per KV head and 64 in all: C is stored compact, [16 tokens × G] in at most four
+     * vectors, and column g is picked out of them with two-source permutes (not a 16-load gather from a
+     * just-stored tile); each query row keeps 16 lanes of running maxima, reduced once at the end (not
+     * a horizontal max per 16 tokens). Same scores and maxima. SmolLM2's 30 layers, 2 threads, cache
+     * from DRAM, interleaved medians: 4096 tokens 3.8-6.0 → 3.4-5.7 ms, 1024 1.29 → 1.19 ms,
+     * 16 × 384 10.4 → 10.0 ms. */
+    const int compact = G <= 4 && Hkv * G <= 64;
+    const __m512i token = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(G));  /* token j's score of query 0 */
+    __m512 mv[64];
+    for (int i = 0; compact && i < Hkv * G; i++) mv[i] = _mm512_set1_ps(-INFINITY);
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
         /* the next block's K lines in address order, an even share with each 16-row tile product */
@@ -391,6 +402,21 @@ static inline __attribute__((always_inline)) void k_pass_amx(
                         _tile_dpbf16ps(0, 3, 4);
                     }
                 }
+                if (compact) {
+                    _tile_stored(0, cbuf, 4 * G);  /* token j's score of query g at cbuf[j·G + g] */
+                    const __m512 c0 = _mm512_load_ps(cbuf), c1 = _mm512_load_ps(cbuf + 16);
+                    const __m512 c2 = _mm512_load_ps(cbuf + 32), c3 = _mm512_load_ps(cbuf + 48);
+                    for (int g = 0; g < G; g++) {  /* column g of C: query row g's scores of the 16 tokens */
+                        const __m512i at = _mm512_add_epi32(token, _mm512_set1_epi32(g));
+                        const __m512 c = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(at, _mm512_set1_epi32(32)),
+                                                              _mm512_permutex2var_ps(c0, at, c1),
+                                                              _mm512_permutex2var_ps(c2, at, c3));
+                        const __m512 sc = _mm512_mul_ps(c, _mm512_set1_ps(scale));
+                        _mm512_mask_storeu_ps(scores + (int64_t)(h * G + g) * L + (t0 - t_begin) + j0, live, sc);
+                        mv[h * G + g] = _mm512_mask_max_ps(mv[h * G + g], live, mv[h * G + g], sc);
+                    }
+                    continue;
+                }
                 _tile_stored(0, cbuf, 64);
                 for (int g = 0; g < G; g++) {  /* column g of C: query row g's scores of the 16 tokens */
                     const __m512 sc = _mm512_mul_ps(_mm512_i32gather_ps(col, cbuf + g, 4), _mm512_set1_ps(scale));
@@ -399,6 +425,10 @@ static inline __attribute__((always_inline)) void k_pass_amx(
                     if (m > mx[h * G + g]) mx[h * G + g] = m;
                 }
             }
+    }
+    for (int i = 0; compact && i < Hkv * G; i++) {
+        const float m = _mm512_reduce_max_ps(mv[i]);
+        if (m > mx[i]) mx[i] = m;
     }
 }
 #endif
