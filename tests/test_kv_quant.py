@@ -215,12 +215,16 @@ def test_vectorized_decode_matches_quantized_reference(kind, head_dim, block_siz
 @pytest.mark.parametrize("head_dim,block_size,heads,lens", [
     (64, 16, (9, 3), [0, 14, 15, 16, 39, 600]),  # SmolLM2's heads; partial and whole 16-row tiles
     (128, 32, (8, 2), [2, 31, 1029]),  # two tiles per block; a sequence over three chunks
-    (64, 16, (16, 1), [19, 46])])  # 16 queries: a full tile of columns
+    (64, 16, (4, 4), [1, 17, 530]),  # one query per KV head
+    (256, 16, (2, 1), [20, 47]),  # 8 tile products per 16 rows
+    (64, 8, (9, 3), [5, 23]),  # half a tile per block: k_pass_codes
+    (64, 16, (16, 1), [19, 46])])  # 16 queries: k_pass_codes
 def test_key_pass_on_bfloat16_queries_matches_quantized_reference(kind, head_dim, block_size, heads, lens):
     """The decode step of a bfloat16 model over a 1-byte cache (queries hold bfloat16 values, q_bf16 = 1,
-    as the one-call step passes them): k_pass_codes, against the reference over the same codes. Slots
-    past each sequence's end hold NaN scales: a 16-row group that lets one into a score turns the output
-    NaN. (An AMX key pass over codes converted to bfloat16 ran 4 % slower than this one; not kept.)"""
+    as the one-call step passes them): k_pass_amx_codes where the CPU grants AMX (up to 4 queries per KV
+    head, 16-row blocks), else k_pass_codes, against the reference over the same codes. Slots past each
+    sequence's end hold NaN scales and code 0x7F (NaN in both fp8 formats): a 16-row group that lets one
+    into a score turns the output NaN."""
     dll = kv_quant_kernel.load()
     if dll is None:
         pytest.skip("no C compiler: the kernel path is not built here")
@@ -237,8 +241,10 @@ def test_key_pass_on_bfloat16_queries_matches_quantized_reference(kind, head_dim
     for table, n in zip(tables, lens):  # stale slots after the last token of the last block
         kc.scale[table[-1], (n + 1) - (len(table) - 1) * block_size:] = float("nan")
         vc.scale[table[-1], (n + 1) - (len(table) - 1) * block_size:] = float("nan")
-    code = kv_quant_kernel.CODES[kind]
-    assert dll.kvq_key_pass(1, code, head_dim, num_heads // num_kv_heads, block_size) == 1
+        kc.codes[table[-1], (n + 1) - (len(table) - 1) * block_size:] = 0x7F
+    code, G = kv_quant_kernel.CODES[kind], num_heads // num_kv_heads
+    want = 4 if dll.amx and G <= 4 and block_size % 16 == 0 and head_dim % 32 == 0 else 1
+    assert dll.kvq_key_pass(1, code, head_dim, G, block_size) == want
     bt, sl, out = meta.block_tables.contiguous(), meta.seq_lens.contiguous(), torch.empty_like(q)
     scale = head_dim ** -0.5
     dll.kvq_decode_attention(q.data_ptr(), kc.codes.data_ptr(), vc.codes.data_ptr(), kc.scale.data_ptr(),

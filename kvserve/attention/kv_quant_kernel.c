@@ -351,6 +351,47 @@ static void k_amx_queries(const uint16_t *qh, uint16_t *qt, int G, int Hkv, int 
                         qt[(h * (d / 32) + c) * 512 + 32 * p + 2 * g + i] = qh[(h * G + g) * d + 32 * c + 2 * p + i];
 }
 
+/* C (tile 0) = 16 key rows (A: rows a_stride bytes apart, d bfloat16 each) times one KV head's query
+ * tiles b (k_amx_queries), one tile product per 32 dims, in tile pairs (1, 2) and (3, 4). */
+static inline __attribute__((always_inline)) void amx_score_tile(const void *a, int64_t a_stride, const uint16_t *b,
+                                                                const int d) {
+    _tile_zero(0);
+    for (int c = 0; c < d / 32; c += 2) {
+        _tile_loadd(1, (const uint8_t *)a + 64 * c, a_stride);
+        _tile_loadd(2, b + 512 * c, 64);
+        _tile_dpbf16ps(0, 1, 2);
+        if (c + 1 < d / 32) {
+            _tile_loadd(3, (const uint8_t *)a + 64 * (c + 1), a_stride);
+            _tile_loadd(4, b + 512 * (c + 1), 64);
+            _tile_dpbf16ps(0, 3, 4);
+        }
+    }
+}
+
+/* Tile 0's scores of 16 tokens × G <= 4 queries, times mul (per token lane), to out[g·L + j] for the live
+ * tokens j, and into the queries' running maxima mv[g] (16 lanes each, reduced by the caller). C is
+ * stored compact ([16 tokens × G], token j's score of query g at cbuf[j·G + g]: at most four vectors) and
+ * each query's column picked out with two-source permutes. Against a 16-load gather per query from a
+ * tile stored 64 bytes a row (which also waits on that store) and a horizontal max per 16 tokens: the
+ * bfloat16 key pass over SmolLM2's 30 layers (2 threads, cache from DRAM, interleaved medians), 4096
+ * tokens 3.8-6.0 → 3.4-5.7 ms, 1024 1.29 → 1.19 ms, 16 × 384 10.4 → 10.0 ms; the same scores and maxima. */
+static inline __attribute__((always_inline)) void amx_emit_scores(float *cbuf, int G, __m512 mul, float *out,
+                                                                 int64_t L, __mmask16 live, __m512 *mv) {
+    const __m512i token = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(G));  /* token j's score of query 0 */
+    _tile_stored(0, cbuf, 4 * G);
+    const __m512 c0 = _mm512_load_ps(cbuf), c1 = _mm512_load_ps(cbuf + 16);
+    const __m512 c2 = _mm512_load_ps(cbuf + 32), c3 = _mm512_load_ps(cbuf + 48);  /* past 16·G: unused lanes */
+    for (int g = 0; g < G; g++) {
+        const __m512i at = _mm512_add_epi32(token, _mm512_set1_epi32(g));
+        const __m512 c = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(at, _mm512_set1_epi32(32)),
+                                              _mm512_permutex2var_ps(c0, at, c1), _mm512_permutex2var_ps(c2, at, c3));
+        const __m512 sc = _mm512_mul_ps(c, mul);
+        _mm512_mask_storeu_ps(out + g * L, live, sc);
+        mv[g] = _mm512_mask_max_ps(mv[g], live, mv[g], sc);
+    }
+}
+
 /* k_pass_bf16 on AMX, same arguments (qt from k_amx_queries): per 16 key rows of one head, one tile
  * product per 32 dims gives their 16 × G scores. tdpbf16ps rounds as vdpbf16ps does (products of two
  * bfloat16 exact in float32, float32 sums, denormal inputs read as zero) in another summation order.
@@ -366,16 +407,9 @@ static inline __attribute__((always_inline)) void k_pass_amx(
     const int64_t stride = (int64_t)Hkv * d * 2;  /* bytes from one token's row to the next */
     float cbuf[16 * 16] __attribute__((aligned(64)));
     const __m512i col = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-    /* up to 4 queries per KV head and 64 in all: C is stored compact, [16 tokens × G] in at most four
-     * vectors, and column g is picked out of them with two-source permutes (not a 16-load gather from a
-     * just-stored tile); each query row keeps 16 lanes of running maxima, reduced once at the end (not
-     * a horizontal max per 16 tokens). Same scores and maxima. SmolLM2's 30 layers, 2 threads, cache
-     * from DRAM, interleaved medians: 4096 tokens 3.8-6.0 → 3.4-5.7 ms, 1024 1.29 → 1.19 ms,
-     * 16 × 384 10.4 → 10.0 ms. */
-    const int compact = G <= 4 && Hkv * G <= 64;
-    const __m512i token = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32(G));  /* token j's score of query 0 */
-    __m512 mv[64];
+    /* up to 4 queries per KV head, amx_emit_scores (C stored compact, running maxima in 16 lanes) */
+    const int compact = G <= 4;
+    __m512 mv[compact ? Hkv * G : 1];
     for (int i = 0; compact && i < Hkv * G; i++) mv[i] = _mm512_set1_ps(-INFINITY);
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
@@ -389,38 +423,16 @@ static inline __attribute__((always_inline)) void k_pass_amx(
                 for (int64_t i = 0; pf && i < per && pf_at < lines; i++, pf_at++) __builtin_prefetch(pf + pf_at * 64, 0, 3);
                 const int nj = n - j0 < 16 ? (int)(n - j0) : 16;
                 const __mmask16 live = (__mmask16)((1u << nj) - 1u);
-                const uint8_t *a = kc + ((base + j0) * Hkv + h) * d * 2;
-                const uint16_t *b = qt + (int64_t)h * (d / 32) * 512;
-                _tile_zero(0);
-                for (int c = 0; c < d / 32; c += 2) {
-                    _tile_loadd(1, a + 64 * c, stride);
-                    _tile_loadd(2, b + 512 * c, 64);
-                    _tile_dpbf16ps(0, 1, 2);
-                    if (c + 1 < d / 32) {
-                        _tile_loadd(3, a + 64 * (c + 1), stride);
-                        _tile_loadd(4, b + 512 * (c + 1), 64);
-                        _tile_dpbf16ps(0, 3, 4);
-                    }
-                }
+                float *out = scores + (int64_t)h * G * L + (t0 - t_begin) + j0;
+                amx_score_tile(kc + ((base + j0) * Hkv + h) * d * 2, stride, qt + (int64_t)h * (d / 32) * 512, d);
                 if (compact) {
-                    _tile_stored(0, cbuf, 4 * G);  /* token j's score of query g at cbuf[j·G + g] */
-                    const __m512 c0 = _mm512_load_ps(cbuf), c1 = _mm512_load_ps(cbuf + 16);
-                    const __m512 c2 = _mm512_load_ps(cbuf + 32), c3 = _mm512_load_ps(cbuf + 48);
-                    for (int g = 0; g < G; g++) {  /* column g of C: query row g's scores of the 16 tokens */
-                        const __m512i at = _mm512_add_epi32(token, _mm512_set1_epi32(g));
-                        const __m512 c = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(at, _mm512_set1_epi32(32)),
-                                                              _mm512_permutex2var_ps(c0, at, c1),
-                                                              _mm512_permutex2var_ps(c2, at, c3));
-                        const __m512 sc = _mm512_mul_ps(c, _mm512_set1_ps(scale));
-                        _mm512_mask_storeu_ps(scores + (int64_t)(h * G + g) * L + (t0 - t_begin) + j0, live, sc);
-                        mv[h * G + g] = _mm512_mask_max_ps(mv[h * G + g], live, mv[h * G + g], sc);
-                    }
+                    amx_emit_scores(cbuf, G, _mm512_set1_ps(scale), out, L, live, mv + h * G);
                     continue;
                 }
                 _tile_stored(0, cbuf, 64);
                 for (int g = 0; g < G; g++) {  /* column g of C: query row g's scores of the 16 tokens */
                     const __m512 sc = _mm512_mul_ps(_mm512_i32gather_ps(col, cbuf + g, 4), _mm512_set1_ps(scale));
-                    _mm512_mask_storeu_ps(scores + (int64_t)(h * G + g) * L + (t0 - t_begin) + j0, live, sc);
+                    _mm512_mask_storeu_ps(out + g * L, live, sc);
                     const float m = _mm512_mask_reduce_max_ps(live, sc);
                     if (m > mx[h * G + g]) mx[h * G + g] = m;
                 }
@@ -431,14 +443,69 @@ static inline __attribute__((always_inline)) void k_pass_amx(
         if (m > mx[i]) mx[i] = m;
     }
 }
+
+/* k_pass_amx over a 1-byte cache (int8, fp8 e4m3, fp8 e5m2 codes) for bfloat16 queries: each 16-row
+ * group's codes are decoded (load16) and stored as bfloat16 in an L1 buffer, exactly (|int8| <= 127 and
+ * every fp8 value fit bfloat16's 8 significant bits and exponent range, none of them denormal), the A
+ * tile is loaded from there, and score = C · (k_scale · softmax scale) as k_pass_codes computes it:
+ * the same products, float32 sums in another order. Two buffers in turn, so one group's stores need not
+ * wait for the tile loads of the group before. G <= 4 (amx_emit_scores), bs % 16 == 0 (rows past a
+ * partial block's end are decoded, their scores dropped: a stale NaN code or scale never reaches a
+ * score); tiles as k_amx_configure(G). SmolLM2's 30 layers (2 threads, cache from DRAM, interleaved
+ * medians) against k_pass_codes: int8 4096 tokens 4.47 → 3.82 ms, 1024 1.28 → 1.18 ms, 16 × 384 6.10 →
+ * 5.31 ms; fp8 e4m3 4096 tokens 6.81 → 6.34 ms. (With a 16-load gather per query to read C it ran 4 %
+ * slower than k_pass_codes.) */
+static inline __attribute__((always_inline)) void k_pass_amx_codes(
+        const uint16_t *qt, const uint8_t *kc, const float *ks, const int64_t *table, int64_t t_begin, int64_t t_end,
+        float *scores, int64_t L, float *mx, int G, int Hkv, const int d, int bs, float scale, const int code) {
+    const int64_t stride = (int64_t)Hkv * d;  /* bytes from one token's row to the next */
+    uint16_t abuf[2][16 * 256] __attribute__((aligned(64)));
+    float cbuf[16 * 16] __attribute__((aligned(64)));
+    const __m512i kv_row = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(Hkv));  /* token j's scale: j·Hkv on */
+    __m512 mv[Hkv * G];
+    for (int i = 0; i < Hkv * G; i++) mv[i] = _mm512_set1_ps(-INFINITY);
+    int buf = 0;
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
+        const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
+        const int64_t next = next_block_base(table, t0, t_end, bs), lines = bs * stride / 64;
+        const char *pf = next < 0 ? NULL : (const char *)(kc + next * stride);
+        const int64_t per = (lines + Hkv * ((n + 15) / 16) - 1) / (Hkv * ((n + 15) / 16));
+        int64_t pf_at = 0;
+        prefetch_scales(ks, next, bs, Hkv);
+        for (int h = 0; h < Hkv; h++)
+            for (int64_t j0 = 0; j0 < n; j0 += 16, buf ^= 1) {
+                for (int64_t i = 0; pf && i < per && pf_at < lines; i++, pf_at++) __builtin_prefetch(pf + pf_at * 64, 0, 3);
+                const int nj = n - j0 < 16 ? (int)(n - j0) : 16;
+                const __mmask16 live = (__mmask16)((1u << nj) - 1u);
+                const uint8_t *src = kc + ((base + j0) * Hkv + h) * d;
+                uint16_t *a = abuf[buf];
+                for (int j = 0; j < 16; j++)
+                    for (int c = 0; c < d; c += 32)
+                        _mm512_store_si512(a + j * d + c, (__m512i)_mm512_cvtne2ps_pbh(
+                            (__m512)load16(src + j * stride + c + 16, code), (__m512)load16(src + j * stride + c, code)));
+                const __m512 sk = _mm512_mul_ps(  /* the live tokens' K scales (stale slots' may be NaN) */
+                    _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, kv_row, ks + (base + j0) * Hkv + h, 4),
+                    _mm512_set1_ps(scale));
+                amx_score_tile(a, 2 * d, qt + (int64_t)h * (d / 32) * 512, d);
+                amx_emit_scores(cbuf, G, sk, scores + (int64_t)h * G * L + (t0 - t_begin) + j0, L, live, mv + h * G);
+            }
+    }
+    for (int i = 0; i < Hkv * G; i++) {
+        const float m = _mm512_reduce_max_ps(mv[i]);
+        if (m > mx[i]) mx[i] = m;
+    }
+}
 #endif
 #endif
 
-/* Which key pass kvq_decode_attention_team runs: 3 = AMX tile products (k_pass_amx), 2 = bfloat16 pair
- * dot products (k_pass_bf16), 1 = 1-byte codes (k_pass_codes), 0 = the generic loop in attend_chunk. */
+/* Which key pass kvq_decode_attention_team runs: 4 = AMX tile products over 1-byte codes decoded to
+ * bfloat16 (k_pass_amx_codes), 3 = AMX tile products (k_pass_amx), 2 = bfloat16 pair dot products
+ * (k_pass_bf16), 1 = 1-byte codes (k_pass_codes), 0 = the generic loop in attend_chunk. */
 int kvq_key_pass(int q_bf16, int code, int d, int G, int bs) {
 #ifdef HAVE_K_PASS_AMX
     if (q_bf16 && code == 4 && d % 32 == 0 && d <= 256 && G <= 16 && bs % 16 == 0 && kvs_amx_granted()) return 3;
+    if (q_bf16 && code <= 2 && d % 32 == 0 && d <= 256 && G <= 4 && bs % 16 == 0 && kvs_amx_granted()) return 4;
 #endif
 #ifdef HAVE_K_PASS_BF16
     if (q_bf16 && code == 4 && d % 32 == 0 && d <= 256) return 2;
@@ -560,7 +627,7 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
     const int key_pass = kvq_key_pass(q_bf16, code, d, G, bs);
 #ifdef HAVE_K_PASS_AMX
     uint16_t *qt = NULL;  /* this thread's B tiles */
-    if (key_pass == 3) {
+    if (key_pass >= 3) {
         qt = aligned_alloc(64, sizeof(uint16_t) * (size_t)Hkv * (d / 32) * 512);
         k_amx_configure(G);
     }
@@ -599,7 +666,14 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
             }
             for (int i = 0; i < H; i++) pre_mx[i] = -INFINITY;
 #ifdef HAVE_K_PASS_AMX
-            if (key_pass == 3) {
+            if (key_pass == 4) {
+                k_amx_queries(qh, qt, G, Hkv, d);
+#define K_AMX_CODES(CODE) \
+                if (d == 64) k_pass_amx_codes(qt, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 64, bs, scale, CODE); \
+                else k_pass_amx_codes(qt, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, d, bs, scale, CODE);
+                if (code == 0) { K_AMX_CODES(0) } else if (code == 1) { K_AMX_CODES(1) } else { K_AMX_CODES(2) }
+#undef K_AMX_CODES
+            } else if (key_pass == 3) {
                 k_amx_queries(qh, qt, G, Hkv, d);
                 if (d == 64) k_pass_amx(qt, kc, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 64, bs, scale);
                 else k_pass_amx(qt, kc, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, d, bs, scale);
@@ -626,7 +700,7 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
         free(pre);
     }
 #ifdef HAVE_K_PASS_AMX
-    if (key_pass == 3) {
+    if (key_pass >= 3) {
         _tile_release();
         free(qt);
     }
