@@ -296,8 +296,9 @@ def test_bench_latency_concurrency_runs_prefill_every_prompt(monkeypatch):
 
     monkeypatch.setattr(latency, "run_concurrency", spy)
     monkeypatch.setattr(latency, "measure_read_bandwidth", lambda n=1 << 30, repeats=5: 20e9)
-    latency.run_latency_bench(llm, [], 2, [1, 2, 3], 48, 2)
+    rep = latency.run_latency_bench(llm, [], 2, [1, 2, 2, 3], 48, 2)  # a repeated concurrency runs once
     assert runs == [(1, 48), (2, 96), (3, 144)]
+    assert [t.concurrency for t in rep.throughput] == [1, 2, 3] and all(t.rounds == 1 for t in rep.throughput)
 
 
 def test_bench_latency_repeats_report_medians_of_fresh_rounds(monkeypatch):

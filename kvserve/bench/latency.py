@@ -156,23 +156,24 @@ def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency:
     report = LatencyReport(eng.model_name, str(eng.dtype).removeprefix("torch."), 0.0, setup=setup,
                            threads=torch.get_num_threads(), temperature=temperature)
     llm.generate([random_prompt(16, eng.vocab_size, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    contexts, concurrency = list(dict.fromkeys(contexts)), list(dict.fromkeys(concurrency))  # each once, in order
     by_ctx: dict[int, list[ContextResult]] = {c: [] for c in contexts}
     by_conc: dict[int, list[ThroughputResult]] = {c: [] for c in concurrency}
     first_seed = 1000  # every run's prompts new to the prefix cache (runs 1, 4, 16 once shared seeds 1000-1003)
     for r in range(repeats):
         read_bw = measure_read_bandwidth()
         report.read_rounds_gb_per_s.append(read_bw / 1e9)
-        for ctx in dict.fromkeys(contexts):
+        for ctx in contexts:
             by_ctx[ctx].append(run_context(llm, ctx, output_tokens, read_bw, temperature, r))
         for c in concurrency:
             by_conc[c].append(run_concurrency(llm, c, conc_prompt_tokens, conc_output_tokens, read_bw,
                                               temperature, first_seed))
             first_seed += c
         if compare and contexts:
-            _add_peer(llm, [by_ctx[c][-1] for c in dict.fromkeys(contexts)], output_tokens, compare, temperature, r)
+            _add_peer(llm, [by_ctx[c][-1] for c in contexts], output_tokens, compare, temperature, r)
     report.peer = compare if compare and contexts else None
     report.read_gb_per_s = statistics.median(report.read_rounds_gb_per_s)
-    report.contexts = [median_result(by_ctx[c]) for c in dict.fromkeys(contexts)]
+    report.contexts = [median_result(by_ctx[c]) for c in contexts]
     report.throughput = [median_result(by_conc[c]) for c in concurrency]
     return report
 
