@@ -96,6 +96,50 @@ def test_greedy_equivalent_settings_agree_and_break_ties_low():
     assert results[0][3] == 7
 
 
+def _first_max_or_nan(row: list[float]) -> int:
+    """Plain Python: the first NaN, else the first maximum (0 for a row of -inf)."""
+    for i, v in enumerate(row):
+        if v != v:
+            return i
+    best = 0
+    for i, v in enumerate(row):
+        if v > row[best]:
+            best = i
+    return best
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_kernel_is_first_max_or_first_nan(dtype):
+    """The plain-greedy path's argmax (kvs_argmax_rows on the CPU) against plain Python and torch.max:
+    rows shorter and longer than a 16-lane vector and around its edges, a 49,152-entry row (SmolLM2's
+    vocabulary), heavy ties (rounded values, equal rows), -inf rows, +inf, NaN in the vector part and
+    in the tail, and a non-contiguous slice."""
+    from kvserve.attention import kv_quant_kernel
+    from kvserve.engine.sampler import greedy_token_ids
+
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for n in (1, 15, 16, 17, 31, 32, 33, 100, 49152):
+        x = torch.randn(4, n, generator=g)
+        ties = x.round()
+        nan = x.clone()
+        nan[0, n // 2], nan[1, n - 1], nan[2, 0] = float("nan"), float("nan"), float("nan")
+        nan[3, n - 1] = float("nan") if n > 16 else 0.0  # a NaN past the last whole vector
+        inf = x.clone()
+        inf[:, n // 3] = float("inf")
+        inf[1, -1] = float("inf")
+        cases += [x, ties, nan, inf, torch.full((2, n), float("-inf")), torch.full((2, n), 3.0)]
+    wide = torch.randn(3, 200, generator=g)
+    cases.append(wide[:, 7:150])  # rows 200 apart: not contiguous
+    for x in cases:
+        y = x.to(dtype)
+        want = [_first_max_or_nan(r) for r in y.float().tolist()]
+        assert want == y.max(dim=-1).indices.tolist()  # the reference agrees with torch
+        assert greedy_token_ids(y) == want
+    if kv_quant_kernel.load() is None:
+        pytest.skip("no C compiler: only torch's path ran")
+
+
 def test_bfloat16_logits_accepted():
     logits = torch.tensor([[0.0, 5.0, 1.0]], dtype=torch.bfloat16)
     assert Sampler()(logits, [row(SamplingParams(temperature=0.0))]).token_ids == [1]

@@ -71,6 +71,7 @@ def load() -> ctypes.CDLL | None:
     dll.kvs_llama_decode.argtypes = [p, i32, i32, i32, p, p, p, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, i32,
                                      f32, f32, i32, i32, i32, i32]
     dll.kvs_dense_linear.argtypes = [p, i64, i32, p, i32, p, i32, p, i32]
+    dll.kvs_argmax_rows.argtypes = [p, i32, i64, i64, p]
     dll.kvs_dense_supported.argtypes = []
     dll.kvs_dense_supported.restype = i32
     dll.kvs_int4_supported.argtypes = []
@@ -81,7 +82,7 @@ def load() -> ctypes.CDLL | None:
     dll.kvs_int4_amx_enable.restype = i32
     dll.amx = bool(dll.kvs_int4_amx_enable())  # AMX tile state granted: int4 steps of >= 4 rows use it
     for f in (dll.kvs_rope_write_kv, dll.kvs_add_rms_norm, dll.kvs_silu_mul, dll.kvs_decode_attention,
-              dll.kvs_int4_linear, dll.kvs_llama_decode, dll.kvs_dense_linear):
+              dll.kvs_int4_linear, dll.kvs_llama_decode, dll.kvs_dense_linear, dll.kvs_argmax_rows):
         f.restype = None
     return dll
 

@@ -387,3 +387,42 @@ void kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, voi
     free(part);
     free(first);
 }
+
+/* out[r] = the index torch.max(x[r], dim=-1) returns, for each row of x [rows, n] (code 3 float32, 4
+ * bfloat16; rows n elements apart): the first NaN if the row holds one, else the first maximum (the
+ * lowest index on ties; 0 for a row of -inf). The greedy sampler's argmax: torch's max(dim=-1) took
+ * ~90 µs for one 49,152-entry row here (float32 or bfloat16, 1 or 2 threads), 2-3 % of a decode step.
+ * Each lane keeps the first index of its own maximum (a strictly greater value replaces it); across
+ * lanes the lowest index of the largest value wins; the tail and any NaN are scanned one by one. */
+void kvs_argmax_rows(const void *x, int code, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xf = (const float *)x + r * n;
+        const uint16_t *xh = (const uint16_t *)x + r * n;
+        int64_t i = 0, best = 0;
+        float bv = -INFINITY;
+        int nan = 0;
+#ifdef __AVX512F__
+        if (n >= 16) {
+            __m512 mv = _mm512_set1_ps(-INFINITY);
+            __m512i mi = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                                         13, 14, 15);
+            for (; i + 16 <= n; i += 16, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16))) {
+                const __m512 v = code == 3 ? _mm512_loadu_ps(xf + i) : bf16x16_to_ps(xh + i);
+                if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) { nan = 1; break; }
+                const __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);
+                mv = _mm512_mask_mov_ps(mv, gt, v);
+                mi = _mm512_mask_mov_epi32(mi, gt, idx);
+            }
+            bv = _mm512_reduce_max_ps(mv);
+            best = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(mv, _mm512_set1_ps(bv), _CMP_EQ_OQ), mi);
+        }
+#endif
+        if (nan) i = 0;  /* rescan for the first NaN */
+        for (; i < n; i++) {
+            const float v = code == 3 ? xf[i] : bf16_to_float(xh[i]);
+            if (v != v) { best = i; break; }
+            if (!nan && v > bv) { bv = v; best = i; }
+        }
+        out[r] = best;
+    }
+}

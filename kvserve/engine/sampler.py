@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention import kv_quant_kernel
 from kvserve.outputs import TokenLogprobs
 from kvserve.sampling_params import SamplingParams
 
@@ -59,8 +60,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab_size], got {tuple(logits.shape)}")
         if all(_plain_greedy(r) for r in rows):  # the common decode step: one argmax, nothing else
-            # max's indices: the first maximum, as argmax, in 1/3 to 1/5 of argmax's time on the CPU
-            return SamplerOutput(token_ids=logits.max(dim=-1).indices.tolist(), logprobs=[None] * len(rows))
+            return SamplerOutput(token_ids=greedy_token_ids(logits), logprobs=[None] * len(rows))
         raw = logits.float()
         in_place = any(r.params.logit_bias or len(r.output_token_ids) < r.params.min_tokens for r in rows)
         processed = apply_penalties(apply_min_tokens(apply_logit_bias(raw.clone() if in_place else raw, rows), rows),
@@ -77,6 +77,24 @@ class Sampler:
             token_ids[sampled] = sample_from_probs(probs, [r.generator for r in sub_rows])
         ids = token_ids.tolist()
         return SamplerOutput(token_ids=ids, logprobs=compute_logprobs(raw, ids, rows))
+
+
+def greedy_token_ids(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax as ``torch.max(logits, dim=-1).indices`` gives it: the first maximum (lowest id
+    on ties), or the first NaN of a row that has one. ``logits``: [num_rows, vocab] float32 or bfloat16.
+    On the CPU the kernel's ``kvs_argmax_rows`` (one 49,152-entry row: torch's max ~90 µs, 2-3 % of a
+    SmolLM2 decode step); elsewhere, or without the kernel, torch's max (max, not argmax: the same
+    indices in 1/3 to 1/5 of argmax's time on the CPU)."""
+    dll = kv_quant_kernel.load() if logits.device.type == "cpu" and logits.dtype in _ARGMAX_CODES else None
+    if dll is None or logits.shape[1] == 0:
+        return logits.max(dim=-1).indices.tolist()
+    x = logits.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    dll.kvs_argmax_rows(x.data_ptr(), _ARGMAX_CODES[x.dtype], x.shape[0], x.shape[1], out.data_ptr())
+    return out.tolist()
+
+
+_ARGMAX_CODES = {torch.float32: 3, torch.bfloat16: 4}
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
