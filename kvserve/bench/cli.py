@@ -47,12 +47,12 @@ def add_bench_parser(sub) -> None:
     bsub = b.add_subparsers(dest="bench", required=True)
     lat = bsub.add_parser("latency", help="batch-1 TTFT/ITL at several contexts; throughput under concurrency")
     lat.add_argument("--contexts", type=_ints, default=[128, 1024, 4096],
-                     help="prompt lengths of the batch-1 runs (default: 128,1024,4096)")
+                     help="prompt lengths of the batch-1 runs, each run once if listed twice (default: 128,1024,4096)")
     lat.add_argument("--output-tokens", type=_int_at_least(2), default=32,
                      help="tokens generated per batch-1 run (>= 2: ITL needs a decode step; default: 32)")
     lat.add_argument("--concurrency", type=_ints, default=[1, 4, 16],
-                     help="concurrent requests per throughput run; include 1 for the 'vs batch 1' ratios "
-                          "(default: 1,4,16)")
+                     help="concurrent requests per throughput run, each run once if listed twice; include 1 for "
+                          "the 'vs batch 1' ratios (default: 1,4,16)")
     lat.add_argument("--concurrency-prompt-tokens", type=_int_at_least(1), default=128,
                      help="prompt length of each concurrent request (default: 128)")
     lat.add_argument("--concurrency-output-tokens", type=_int_at_least(1), default=64,
@@ -65,9 +65,10 @@ def add_bench_parser(sub) -> None:
                           "distribution is sampled (no top-k/top-p), so the sampler's cost is in the ITL; the "
                           "llama.cpp peer samples the same way")
     lat.add_argument("--repeats", type=_int_at_least(1), default=1,
-                     help="rounds of every run (plain read, contexts, concurrency, peer), reported as medians, "
-                          "each round's %% read against its own plain read: for hosts whose bandwidth moves "
-                          "with other tenants' load (default: 1)")
+                     help="rounds (>= 1), each running the plain read, the contexts, the concurrency runs and the "
+                          "peer; every column is reported as its median over the rounds, each round's %% read "
+                          "against its own plain read: for hosts whose bandwidth moves with other tenants' load "
+                          "(default: 1; use an odd count)")
     lat.add_argument("--json", default=None, help="also write the figures to this JSON file")
     add_engine_args(lat)
     lat.set_defaults(func=cmd_bench_latency)

@@ -278,6 +278,9 @@ def format_report(rep: LatencyReport) -> str:
             if t.roofline_tokens_per_s is not None:
                 line += f" {t.roofline_tokens_per_s:>15.1f} {ratio(t.roofline_tokens_per_s, roof_base)}"
             lines.append(line)
+        conc_rounds = max(t.rounds for t in rep.throughput)
+        if conc_rounds > 1:
+            lines.append(f"  medians of {conc_rounds} rounds, each column its own; the ratios are of the medians")
     return "\n".join(lines)
 
 
