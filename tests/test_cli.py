@@ -275,30 +275,35 @@ def test_bench_latency_temperature_reaches_every_run_and_the_llamacpp_peer(monke
         assert (calls[0]["temp"], calls[0]["top_k"], calls[0]["top_p"], calls[0]["min_p"]) == (temperature, top_k, 1.0, 0.0)
 
 
-def test_bench_latency_concurrency_runs_prefill_every_prompt(monkeypatch):
-    """Each concurrency run sends prompts no earlier run sent: with the prefix cache on (the default), a
-    repeated prompt skips its prefill and flatters that run's tokens/s. Every run's steps must compute
-    all c × prompt tokens."""
+def test_bench_latency_every_run_prefills_every_prompt(monkeypatch):
+    """Every run sends prompts no earlier run sent, across runs, kinds of run and rounds: with the prefix
+    cache on (the default), a repeated prompt, or one that starts with an earlier one, skips prefill and
+    flatters that run. Here, with integer seeds, the 2-request run's seeds 1001-1002 met the 1001-token
+    context's seed 1001, whose prompt starts with the same 48 tokens. Every run must compute all its
+    prompt tokens."""
     from kvserve.bench import latency
     from tests.conftest import tiny_llm
 
-    llm = tiny_llm(block_size=16)
+    llm = tiny_llm(block_size=16, max_model_len=1100)
     assert llm.engine.config.cache.enable_prefix_caching
     eng = llm.engine
     runs = []
-    real = latency.run_concurrency
 
-    def spy(llm_, c, *a, **k):
-        first = eng.num_steps + 1
-        r = real(llm_, c, *a, **k)
-        runs.append((c, sum(s.num_prefill_tokens for s in eng.step_stats if s.step >= first)))
-        return r
+    def spy(fn, kind):
+        def run(llm_, n, *a, **k):
+            first = eng.num_steps + 1
+            r = fn(llm_, n, *a, **k)
+            runs.append((kind, n, sum(s.num_prefill_tokens for s in eng.step_stats if s.step >= first)))
+            return r
+        return run
 
-    monkeypatch.setattr(latency, "run_concurrency", spy)
+    monkeypatch.setattr(latency, "run_concurrency", spy(latency.run_concurrency, "c"))
+    monkeypatch.setattr(latency, "run_context", spy(latency.run_context, "ctx"))
     monkeypatch.setattr(latency, "measure_read_bandwidth", lambda n=1 << 30, repeats=5: 20e9)
-    rep = latency.run_latency_bench(llm, [], 2, [1, 2, 2, 3], 48, 2)  # a repeated concurrency runs once
-    assert runs == [(1, 48), (2, 96), (3, 144)]
-    assert [t.concurrency for t in rep.throughput] == [1, 2, 3] and all(t.rounds == 1 for t in rep.throughput)
+    rep = latency.run_latency_bench(llm, [1001], 2, [1, 2, 2, 3], 48, 2, repeats=2)  # a repeated concurrency runs once
+    one_round = [("ctx", 1001, 1001), ("c", 1, 48), ("c", 2, 96), ("c", 3, 144)]
+    assert runs == one_round * 2
+    assert [t.concurrency for t in rep.throughput] == [1, 2, 3] and all(t.rounds == 2 for t in rep.throughput)
 
 
 def test_bench_latency_repeats_report_medians_of_fresh_rounds(monkeypatch):

@@ -7,6 +7,7 @@ import json
 import random
 import statistics
 import time
+import zlib
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
@@ -65,19 +66,24 @@ class LatencyReport:
     read_rounds_gb_per_s: list[float] = field(default_factory=list)  # the 1 GiB plain read of each round
 
 
-def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
-    """``n`` token ids drawn from the ordinary part of the vocabulary (ids 100 .. min(vocab, 30000))."""
+def random_prompt(n: int, vocab: int, seed: int | str) -> list[int]:
+    """``n`` token ids drawn from the ordinary part of the vocabulary (ids 100 .. min(vocab, 30000)).
+    Prompts of one seed share their prefix (the shorter is the start of the longer)."""
     rng = random.Random(seed)
     return [rng.randrange(100, min(vocab, 30000)) for _ in range(n)]
 
 
-ROUND_SEED_STRIDE = 1_000_003  # round r's prompt of n tokens: seed n + r · this (round 0: seed n)
-
-
-def context_seed(ctx: int, round_: int) -> int:
+def context_seed(ctx: int, round_: int) -> str:
     """The seed of the ``ctx``-token prompt of round ``round_`` (the peers use the same): each round's
-    prompt is new to the prefix cache, which would otherwise skip the repeated prefill."""
-    return ctx + round_ * ROUND_SEED_STRIDE
+    prompt is new to the prefix cache, which would otherwise skip the repeated prefill. A string, so it
+    never equals a concurrency run's seed (:func:`concurrency_seed`): with integer seeds, round 2's
+    4-request run drew seed 1024, whose prompt starts with the 1024-token context's."""
+    return f"context {ctx} round {round_}"
+
+
+def concurrency_seed(i: int) -> str:
+    """The seed of a concurrency run's ``i``-th prompt, counted over all runs and rounds."""
+    return f"concurrency {i}"
 
 
 def run_context(llm, ctx: int, output_tokens: int, read_bw: float, temperature: float = 0.0,
@@ -85,7 +91,8 @@ def run_context(llm, ctx: int, output_tokens: int, read_bw: float, temperature: 
     eng = llm.engine
     seed = context_seed(ctx, round_)
     prompt = random_prompt(ctx, eng.vocab_size, seed=seed)
-    sp = SamplingParams(temperature=temperature, max_tokens=output_tokens, ignore_eos=True, seed=seed)
+    sp = SamplingParams(temperature=temperature, max_tokens=output_tokens, ignore_eos=True,
+                        seed=zlib.crc32(seed.encode()))
     first = eng.num_steps + 1
     lat = llm.generate([prompt], sp)[0].latency
     decode = [s for s in eng.step_stats if s.step >= first and s.is_decode_only]
@@ -113,10 +120,12 @@ def step_read_gb_per_s(step_bytes: float, read_bw: float) -> float | None:
 
 
 def run_concurrency(llm, c: int, prompt_tokens: int, output_tokens: int,
-                    read_bw: float | None = None, temperature: float = 0.0, first_seed: int = 1000) -> ThroughputResult:
-    """``c`` requests at once, prompts from seeds ``first_seed`` .. ``first_seed + c - 1``. Give each run
-    its own seeds: a prompt an earlier run already sent is a prefix-cache hit and skips its prefill."""
-    prompts = [random_prompt(prompt_tokens, llm.engine.vocab_size, seed=first_seed + i) for i in range(c)]
+                    read_bw: float | None = None, temperature: float = 0.0, first_seed: int = 0) -> ThroughputResult:
+    """``c`` requests at once, prompts from ``concurrency_seed(first_seed)`` .. ``(first_seed + c - 1)``.
+    Give each run its own seeds: a prompt an earlier run already sent is a prefix-cache hit and skips
+    its prefill."""
+    prompts = [random_prompt(prompt_tokens, llm.engine.vocab_size, seed=concurrency_seed(first_seed + i))
+               for i in range(c)]
     sp = SamplingParams(temperature=temperature, max_tokens=output_tokens, ignore_eos=True)
     first = llm.engine.num_steps + 1
     t0 = time.perf_counter()
@@ -159,7 +168,7 @@ def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency:
     contexts, concurrency = list(dict.fromkeys(contexts)), list(dict.fromkeys(concurrency))  # each once, in order
     by_ctx: dict[int, list[ContextResult]] = {c: [] for c in contexts}
     by_conc: dict[int, list[ThroughputResult]] = {c: [] for c in concurrency}
-    first_seed = 1000  # every run's prompts new to the prefix cache (runs 1, 4, 16 once shared seeds 1000-1003)
+    first_seed = 0  # every run's prompts new to the prefix cache (runs 1, 4, 16 once shared their first seeds)
     for r in range(repeats):
         read_bw = measure_read_bandwidth()
         report.read_rounds_gb_per_s.append(read_bw / 1e9)
@@ -244,7 +253,7 @@ def format_report(rep: LatencyReport) -> str:
                      f"{r.itl_p50_ms / r.peer_itl_p50_ms:>5.2f}x")
         lines.append(line)
     rounds = max([r.rounds for r in rep.contexts] + [t.rounds for t in rep.throughput] + [1])
-    if rounds > 1:
+    if rounds > 1 and rep.contexts:
         reads = rep.read_rounds_gb_per_s
         lines.append(f"  medians of {rounds} rounds (plain read {min(reads):.1f}-{max(reads):.1f} GB/s; % read against "
                      "each round's own); ITL p50 per round: "
