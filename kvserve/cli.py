@@ -68,6 +68,19 @@ def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
                           stop=a.stop, stop_token_ids=a.stop_token_ids, ignore_eos=a.ignore_eos)
 
 
+def check_writable(flag: str, path: str) -> None:
+    """ConfigError naming ``flag`` unless ``path`` could be created or overwritten as a file: checked
+    before a long run, so a typo in an output path does not cost the run."""
+    import os
+
+    from kvserve.config import ConfigError
+
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag} {path!r}: cannot write a file there (is the directory missing or read-only, "
+                          "or is it a directory?)")
+
+
 def build_llm(a: argparse.Namespace, progress: bool = True):
     from kvserve.llm import LLM
 

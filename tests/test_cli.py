@@ -360,6 +360,24 @@ def test_bench_latency_repeats_report_medians_of_fresh_rounds(monkeypatch):
         latency.run_latency_bench(llm, [32], 3, [], 16, 2, repeats=0)
 
 
+def test_bench_latency_unwritable_json_fails_before_benchmarking(tmp_path, capsys, monkeypatch):
+    from kvserve.bench import latency
+    from kvserve.cli import main
+
+    from kvserve.bench import serve
+    from kvserve.eval import ppl
+
+    monkeypatch.setattr(latency, "run_latency_bench", lambda *a, **k: pytest.fail("benchmark ran"))
+    monkeypatch.setattr(serve, "run_serve_bench", lambda *a, **k: pytest.fail("benchmark ran"))
+    monkeypatch.setattr(ppl, "perplexity", lambda *a, **k: pytest.fail("evaluation ran"))
+    for path in (tmp_path / "missing" / "x.json", tmp_path):
+        for argv, flag in [(["bench", "latency", *TINY, "--contexts", "32", "--json"], "--json"),
+                           (["bench", "serve", "--save-result"], "--save-result"),
+                           (["eval", "ppl", *TINY, "--json"], "--json")]:
+            rc = main([*argv, str(path)])
+            assert rc != 0 and f"{flag} '{path}': cannot write a file there" in capsys.readouterr().err, argv
+
+
 def test_bench_latency_repeats_flag_is_checked(capsys, monkeypatch):
     from kvserve.bench import latency
     from kvserve.cli import main

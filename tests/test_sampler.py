@@ -131,6 +131,7 @@ def test_greedy_argmax_kernel_is_first_max_or_first_nan(dtype):
         cases += [x, ties, nan, inf, torch.full((2, n), float("-inf")), torch.full((2, n), 3.0)]
     wide = torch.randn(3, 200, generator=g)
     cases.append(wide[:, 7:150])  # rows 200 apart: not contiguous
+    cases.append(torch._neg_view(torch.tensor([[1.0, 5.0, -3.0, 2.0] * 5])))  # the storage holds the negation
     for x in cases:
         y = x.to(dtype)
         want = [_first_max_or_nan(r) for r in y.float().tolist()]

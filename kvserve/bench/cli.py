@@ -132,7 +132,7 @@ def cmd_bench_latency(a: argparse.Namespace) -> int:
     import importlib.util
 
     from kvserve.bench.latency import format_report, run_latency_bench, save_json
-    from kvserve.cli import build_llm
+    from kvserve.cli import build_llm, check_writable
     from kvserve.config import ConfigError
 
     if a.compare == "hf" and importlib.util.find_spec("accelerate") is None:  # check before minutes of benchmarking
@@ -148,6 +148,8 @@ def cmd_bench_latency(a: argparse.Namespace) -> int:
         raise ConfigError("--compare llama.cpp needs llama-cpp-python: `make setup-bench` "
                           "(it compiles llama.cpp from source, about 6-15 minutes)")
 
+    if a.json:  # before minutes of benchmarking, not after
+        check_writable("--json", a.json)
     llm = build_llm(a)
     rep = run_latency_bench(llm, a.contexts, a.output_tokens, a.concurrency, a.concurrency_prompt_tokens,
                             a.concurrency_output_tokens, compare=a.compare, temperature=a.temperature,
@@ -163,7 +165,10 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     import sys
 
     from kvserve.bench.serve import ServeBenchConfig, format_report, run_serve_bench, save_result
+    from kvserve.cli import check_writable
 
+    if a.save_result:  # before the whole run, not after
+        check_writable("--save-result", a.save_result)
     cfg = ServeBenchConfig(url=a.url, endpoint=a.endpoint, model=a.model, num_prompts=a.num_prompts,
                            request_rate=a.request_rate, max_concurrency=a.max_concurrency,
                            input_tokens=a.input_tokens, output_tokens=a.output_tokens, seed=a.seed,

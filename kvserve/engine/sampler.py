@@ -86,9 +86,9 @@ def greedy_token_ids(logits: torch.Tensor) -> list[int]:
     SmolLM2 decode step); elsewhere, or without the kernel, torch's max (max, not argmax: the same
     indices in 1/3 to 1/5 of argmax's time on the CPU)."""
     dll = kv_quant_kernel.load() if logits.device.type == "cpu" and logits.dtype in _ARGMAX_CODES else None
-    if dll is None or logits.shape[1] == 0:
+    if dll is None or not 0 < logits.shape[1] < 2 ** 31:  # the kernel's lane indices are int32
         return logits.max(dim=-1).indices.tolist()
-    x = logits.contiguous()
+    x = logits.resolve_neg().contiguous()  # a negated view's values, not its storage's
     out = torch.empty(x.shape[0], dtype=torch.int64)
     dll.kvs_argmax_rows(x.data_ptr(), _ARGMAX_CODES[x.dtype], x.shape[0], x.shape[1], out.data_ptr())
     return out.tolist()
