@@ -448,7 +448,9 @@ static inline __attribute__((always_inline)) void k_pass_amx(
  * group's codes are decoded (load16) and stored as bfloat16 in an L1 buffer, exactly (|int8| <= 127 and
  * every fp8 value fit bfloat16's 8 significant bits and exponent range, none of them denormal), the A
  * tile is loaded from there, and score = C · (k_scale · softmax scale) as k_pass_codes computes it:
- * the same products, float32 sums in another order. Two buffers in turn, so one group's stores need not
+ * the same products, float32 sums in another order. Like k_pass_amx, tdpbf16ps reads a denormal query
+ * value (|q| < 2^-126) as zero, where k_pass_codes multiplies it: that only shows when key scales
+ * near float32's maximum make such a product count. Two buffers in turn, so one group's stores need not
  * wait for the tile loads of the group before. G <= 4 (amx_emit_scores), bs % 16 == 0 (rows past a
  * partial block's end are decoded, their scores dropped: a stale NaN code or scale never reaches a
  * score); tiles as k_amx_configure(G). SmolLM2's 30 layers (2 threads, cache from DRAM, interleaved
