@@ -39,6 +39,23 @@ static inline int64_t next_block_base(const int64_t *table, int64_t t0, int64_t 
     return t0 + bs < t_end ? table[t0 / bs + 1] * bs : -1;
 }
 
+/* The key passes' prefetch of the next block (slot next, -1: none): its bs rows of row_bytes, in
+ * address order, asked for in equal shares, one before each of the current block's `units` units of
+ * work, so the requests spread over the block's compute instead of bunching at its start. */
+typedef struct { const char *p; int64_t lines, per, at; } paced_prefetch;
+
+static inline __attribute__((always_inline)) paced_prefetch pace_next_block(const uint8_t *cache, int64_t next, int bs,
+                                                                            int64_t row_bytes, int64_t units) {
+    const int64_t lines = bs * row_bytes / 64;
+    return (paced_prefetch){next < 0 ? NULL : (const char *)(cache + next * row_bytes), lines,
+                            (lines + units - 1) / units, 0};
+}
+
+static inline __attribute__((always_inline)) void pace_step(paced_prefetch *pp) {
+    for (int64_t i = 0; pp->p && i < pp->per && pp->at < pp->lines; i++, pp->at++)
+        __builtin_prefetch(pp->p + pp->at * 64, 0, 3);
+}
+
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -236,10 +253,8 @@ static inline __attribute__((always_inline)) void k_pass_codes(
     float rows[16 * 256] __attribute__((aligned(64)));
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
-        const int64_t next = next_block_base(table, t0, t_end, bs), lines = bs * stride / 64;
-        const char *pf = next < 0 ? NULL : (const char *)(kc + next * stride);
-        const int64_t per = (lines + Hkv * G * ((n + 15) / 16) - 1) / (Hkv * G * ((n + 15) / 16));
-        int64_t pf_at = 0;
+        const int64_t next = next_block_base(table, t0, t_end, bs);
+        paced_prefetch pf = pace_next_block(kc, next, bs, stride, Hkv * G * ((n + 15) / 16));
         prefetch_scales(ks, next, bs, Hkv);
         for (int h = 0; h < Hkv; h++)
             for (int64_t j0 = 0; j0 < n; j0 += 16) {
@@ -257,7 +272,7 @@ static inline __attribute__((always_inline)) void k_pass_codes(
                 }
                 const __m512 skv = _mm512_loadu_ps(sk);
                 for (int g = h * G; g < (h + 1) * G; g++) {
-                    for (int64_t i = 0; pf && i < per && pf_at < lines; i++, pf_at++) __builtin_prefetch(pf + pf_at * 64, 0, 3);
+                    pace_step(&pf);
                     __m512 q[16];
                     for (int c = 0; c < D; c++) q[c] = _mm512_loadu_ps(qf + g * d + 16 * c);
                     __m512 v[16];
@@ -293,16 +308,14 @@ static inline __attribute__((always_inline)) void k_pass_bf16(
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
         /* the next block's K lines in address order, an even share with each 16 × 1 head-row product */
-        const int64_t next = next_block_base(table, t0, t_end, bs), lines = bs * stride * 2 / 64;
-        const char *pf = next < 0 ? NULL : (const char *)((const uint16_t *)kc + next * stride);
-        const int64_t per = (lines + Hkv * G * ((n + 15) / 16) - 1) / (Hkv * G * ((n + 15) / 16));
-        int64_t pf_at = 0;
+        paced_prefetch pf = pace_next_block(kc, next_block_base(table, t0, t_end, bs), bs, stride * 2,
+                                            Hkv * G * ((n + 15) / 16));
         for (int h = 0; h < Hkv; h++)
             for (int64_t j0 = 0; j0 < n; j0 += 16) {
                 const int nj = n - j0 < 16 ? (int)(n - j0) : 16;
                 const __mmask16 live = (__mmask16)((1u << nj) - 1u);
                 for (int g = h * G; g < (h + 1) * G; g++) {
-                    for (int64_t i = 0; pf && i < per && pf_at < lines; i++, pf_at++) __builtin_prefetch(pf + pf_at * 64, 0, 3);
+                    pace_step(&pf);
                     __m512bh q[8];
                     for (int c = 0; c < D; c++) q[c] = (__m512bh)_mm512_loadu_si512(qh + g * d + 32 * c);
                     __m512 v[16];
@@ -414,13 +427,10 @@ static inline __attribute__((always_inline)) void k_pass_amx(
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
         /* the next block's K lines in address order, an even share with each 16-row tile product */
-        const int64_t next = next_block_base(table, t0, t_end, bs), lines = bs * stride / 64;
-        const char *pf = next < 0 ? NULL : (const char *)(kc + next * stride);
-        const int64_t per = (lines + Hkv * ((n + 15) / 16) - 1) / (Hkv * ((n + 15) / 16));
-        int64_t pf_at = 0;
+        paced_prefetch pf = pace_next_block(kc, next_block_base(table, t0, t_end, bs), bs, stride, Hkv * ((n + 15) / 16));
         for (int h = 0; h < Hkv; h++)
             for (int64_t j0 = 0; j0 < n; j0 += 16) {
-                for (int64_t i = 0; pf && i < per && pf_at < lines; i++, pf_at++) __builtin_prefetch(pf + pf_at * 64, 0, 3);
+                pace_step(&pf);
                 const int nj = n - j0 < 16 ? (int)(n - j0) : 16;
                 const __mmask16 live = (__mmask16)((1u << nj) - 1u);
                 float *out = scores + (int64_t)h * G * L + (t0 - t_begin) + j0;
@@ -470,14 +480,12 @@ static inline __attribute__((always_inline)) void k_pass_amx_codes(
     int buf = 0;
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
-        const int64_t next = next_block_base(table, t0, t_end, bs), lines = bs * stride / 64;
-        const char *pf = next < 0 ? NULL : (const char *)(kc + next * stride);
-        const int64_t per = (lines + Hkv * ((n + 15) / 16) - 1) / (Hkv * ((n + 15) / 16));
-        int64_t pf_at = 0;
+        const int64_t next = next_block_base(table, t0, t_end, bs);
+        paced_prefetch pf = pace_next_block(kc, next, bs, stride, Hkv * ((n + 15) / 16));
         prefetch_scales(ks, next, bs, Hkv);
         for (int h = 0; h < Hkv; h++)
             for (int64_t j0 = 0; j0 < n; j0 += 16, buf ^= 1) {
-                for (int64_t i = 0; pf && i < per && pf_at < lines; i++, pf_at++) __builtin_prefetch(pf + pf_at * 64, 0, 3);
+                pace_step(&pf);
                 const int nj = n - j0 < 16 ? (int)(n - j0) : 16;
                 const __mmask16 live = (__mmask16)((1u << nj) - 1u);
                 const uint8_t *src = kc + ((base + j0) * Hkv + h) * d;
