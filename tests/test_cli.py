@@ -354,7 +354,8 @@ def test_bench_latency_repeats_report_medians_of_fresh_rounds(monkeypatch):
     assert rep.throughput[0].rounds == 3
     text = latency.format_report(rep)
     assert text.splitlines()[-1].startswith("  medians of 3 rounds, each column its own")
-    assert "medians of 3 rounds (plain read 10.0-40.0 GB/s" in text and "llama.cpp ITL p50 per round: 32: 5.00 9.00 7.00" in text
+    assert "medians of 3 rounds (plain read 10.0-40.0 GB/s" in text
+    assert "llama.cpp ITL p50 per round: 32: 5.00 9.00 7.00" in text
     assert text.splitlines()[4].split()[6] == f"{100 * statistics.median(shares):.0f}%"
     with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
         latency.run_latency_bench(llm, [32], 3, [], 16, 2, repeats=0)

@@ -55,8 +55,9 @@ def hf_latency(model, prompt_ids: list[int], output_tokens: int) -> dict:
 def run_hf_in_subprocess(source: ModelSource, dtype: torch.dtype, contexts: list[int], output_tokens: int,
                          vocab_size: int, n_threads: int, round_: int = 0) -> dict[int, dict]:
     """:func:`hf_latency` for each context (after a 4-token warm-up) in a fresh Python process with
-    ``n_threads`` torch threads, on round ``round_``'s prompts (``kvserve.bench.latency.context_seed``). Returns {context: {"ttft_ms", "itl_ms"}}. ConfigError when the peer
-    fails (its message: e.g. :func:`load_hf_peer`'s for a dummy model)."""
+    ``n_threads`` torch threads, on round ``round_``'s prompts (``kvserve.bench.latency.context_seed``).
+    Returns {context: {"ttft_ms", "itl_ms"}}. ConfigError when the peer fails (its message: e.g.
+    :func:`load_hf_peer`'s for a dummy model)."""
     from kvserve.bench.peer_process import run_peer_process
 
     out = run_peer_process("kvserve.bench.hf_peer", [source.kind, source.path, str(dtype).removeprefix("torch."),

@@ -252,8 +252,8 @@ def format_report(rep: LatencyReport) -> str:
             line += (f" {r.peer_ttft_ms:>14.1f} {r.ttft_ms / r.peer_ttft_ms:>5.2f}x {r.peer_itl_p50_ms:>13.2f} "
                      f"{r.itl_p50_ms / r.peer_itl_p50_ms:>5.2f}x")
         lines.append(line)
-    rounds = max([r.rounds for r in rep.contexts] + [t.rounds for t in rep.throughput] + [1])
-    if rounds > 1 and rep.contexts:
+    rounds = max((r.rounds for r in rep.contexts), default=1)
+    if rounds > 1:
         reads = rep.read_rounds_gb_per_s
         lines.append(f"  medians of {rounds} rounds (plain read {min(reads):.1f}-{max(reads):.1f} GB/s; % read against "
                      "each round's own); ITL p50 per round: "
