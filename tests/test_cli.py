@@ -354,6 +354,9 @@ def test_bench_latency_repeats_report_medians_of_fresh_rounds(monkeypatch):
     assert rep.throughput[0].rounds == 3
     text = latency.format_report(rep)
     assert text.splitlines()[-1].startswith("  medians of 3 rounds, each column its own")
+    per_round = rep.throughput[0].tokens_per_s_rounds
+    assert len(per_round) == 3 and rep.throughput[0].output_tokens_per_s == statistics.median(per_round)
+    assert text.splitlines()[-1].endswith("out tok/s per round: 1: " + " ".join(f"{v:.1f}" for v in per_round))
     assert "medians of 3 rounds (plain read 10.0-40.0 GB/s" in text
     assert "llama.cpp ITL p50 per round: 32: 5.00 9.00 7.00" in text
     assert text.splitlines()[4].split()[6] == f"{100 * statistics.median(shares):.0f}%"

@@ -50,6 +50,7 @@ class ThroughputResult:
     mean_itl_ms: float
     roofline_tokens_per_s: float | None = None
     rounds: int = 1  # with --repeats: medians over this many rounds
+    tokens_per_s_rounds: list[float] = field(default_factory=list)  # each round's output tokens/s
 
 
 @dataclass
@@ -135,7 +136,8 @@ def run_concurrency(llm, c: int, prompt_tokens: int, output_tokens: int,
     steps = [s for s in llm.engine.step_stats if s.step >= first]
     roof = c * output_tokens / roofline_seconds(steps, read_bw) if read_bw and steps else None
     return ThroughputResult(c, prompt_tokens, output_tokens, wall, c * output_tokens / wall,
-                            mean([x.ttft_ms for x in lats]), mean([x.mean_itl_ms for x in lats]), roof)
+                            mean([x.ttft_ms for x in lats]), mean([x.mean_itl_ms for x in lats]), roof,
+                            tokens_per_s_rounds=[c * output_tokens / wall])
 
 
 def roofline_seconds(steps, read_bw: float) -> float:
@@ -289,7 +291,10 @@ def format_report(rep: LatencyReport) -> str:
             lines.append(line)
         conc_rounds = max(t.rounds for t in rep.throughput)
         if conc_rounds > 1:
-            lines.append(f"  medians of {conc_rounds} rounds, each column its own; the ratios are of the medians")
+            lines.append(f"  medians of {conc_rounds} rounds, each column its own; the ratios are of the medians; "
+                         "out tok/s per round: " + "; ".join(
+                             f"{t.concurrency}: " + " ".join(f"{v:.1f}" for v in t.tokens_per_s_rounds)
+                             for t in rep.throughput))
     return "\n".join(lines)
 
 
