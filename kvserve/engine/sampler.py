@@ -69,7 +69,7 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         if greedy:
-            token_ids[greedy] = processed[greedy].argmax(dim=-1)  # first max = lowest id on ties
+            token_ids[greedy] = torch.tensor(greedy_token_ids(processed[greedy]))  # first max = lowest id on ties
         if sampled:
             sub_rows = [rows[i] for i in sampled]
             probs = sampling_probs(processed if len(sampled) == len(rows) else processed[sampled],

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.engine.sampler import greedy_token_ids
+
 
 def verify_greedy(target_logits: torch.Tensor, proposal: list[int]) -> list[int]:
     """target_logits: [k + 1, vocab] at the positions of (last token, proposals...). Returns the
     accepted proposals followed by the bonus token (1 .. k + 1 tokens)."""
-    argmax = target_logits.argmax(dim=-1).tolist()
+    argmax = greedy_token_ids(target_logits)  # first max = lowest id on ties, as the sampler's greedy rows
     out = []
     for i, tok in enumerate(proposal):
         if argmax[i] != tok:
