@@ -221,8 +221,9 @@ def test_vectorized_decode_matches_quantized_reference(kind, head_dim, block_siz
     (64, 16, (16, 1), [19, 46])])  # 16 queries: k_pass_codes
 def test_key_pass_on_bfloat16_queries_matches_quantized_reference(kind, head_dim, block_size, heads, lens):
     """The decode step of a bfloat16 model over a 1-byte cache (queries hold bfloat16 values, q_bf16 = 1,
-    as the one-call step passes them): k_pass_amx_codes where the CPU grants AMX (up to 4 queries per KV
-    head, 16-row blocks), else k_pass_codes, against the reference over the same codes. Slots past each
+    as the one-call step passes them): where the CPU grants AMX (up to 4 queries per KV head, 16-row
+    blocks) k_pass_amx_int8 for int8 with head_dim % 64 == 0 and k_pass_amx_codes for the rest, else
+    k_pass_codes, against the reference over the same codes. Slots past each
     sequence's end hold NaN scales and code 0x7F (NaN in both fp8 formats): a 16-row group that lets one
     into a score turns the output NaN."""
     dll = kv_quant_kernel.load()
@@ -243,7 +244,8 @@ def test_key_pass_on_bfloat16_queries_matches_quantized_reference(kind, head_dim
         vc.scale[table[-1], (n + 1) - (len(table) - 1) * block_size:] = float("nan")
         kc.codes[table[-1], (n + 1) - (len(table) - 1) * block_size:] = 0x7F
     code, G = kv_quant_kernel.CODES[kind], num_heads // num_kv_heads
-    want = 4 if dll.amx and G <= 4 and block_size % 16 == 0 and head_dim % 32 == 0 else 1
+    fits = dll.amx and G <= 4 and block_size % 16 == 0  # 5: int8 integer tiles, 4: codes decoded to bfloat16
+    want = (5 if kind == "int8" and head_dim % 64 == 0 else 4) if fits and head_dim % 32 == 0 else 1
     assert dll.kvq_key_pass(1, code, head_dim, G, block_size) == want
     bt, sl, out = meta.block_tables.contiguous(), meta.seq_lens.contiguous(), torch.empty_like(q)
     scale = head_dim ** -0.5
@@ -253,6 +255,65 @@ def test_key_pass_on_bfloat16_queries_matches_quantized_reference(kind, head_dim
                              torch.get_num_threads(), 1)
     ref = reference_paged_attention(q, kc, vc, meta, scale)
     assert (out - ref).abs().max() <= KERNEL_TOL
+
+
+@pytest.mark.parametrize("head_dim,block_size,heads,lens", [
+    (64, 16, (9, 3), [1, 15, 16, 17, 600]),  # SmolLM2's heads; partial 16-row tiles; a sequence over two chunks
+    (128, 32, (8, 2), [31, 1029]),  # two A tiles per 16 rows, two tiles per block; three chunks
+    (256, 16, (4, 1), [20, 47]),  # four A tiles; G = 4 fills the compact C store
+    (64, 16, (4, 4), [5, 530])])  # one query per KV head
+@pytest.mark.parametrize("q_bf16", [0, 1], ids=["f32-queries", "bf16-queries"])
+def test_int8_integer_key_pass_against_float64(head_dim, block_size, heads, lens, q_bf16):
+    """k_pass_amx_int8 (where the CPU grants AMX: tdpbssd over the codes, each query row an integer of
+    23 bits in three signed base-256 digits times a power of two) against float64 attention over the same
+    codes. Query elements span 8 decades; one row is zero, one below 2^-104 (its power of two clamps at
+    2^-126), one of ~1e30, one holds a NaN and one an inf: those two rows' outputs are NaN, as the float64
+    reference's, and the rows beside them unaffected. Bound per row: each query element rounds to within
+    2^-23 · max|q_row|, so a score moves by at most δ = 2^-23 · max|q_row| · max_t Σ|k_t| · scale (k_t a
+    dequantized key row), each softmax weight by a factor within e^(±2δ), the output by at most
+    (e^(2δ) - 1) · max|v|, plus KERNEL_TOL for float32 sums. The kernel stays within 1 % of the bound;
+    rounding the query at 2^-15 instead (two digits) exceeds it in the SmolLM2-shaped cases."""
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        pytest.skip("no C compiler: the kernel path is not built here")
+    num_heads, num_kv_heads = heads
+    G, code = num_heads // num_kv_heads, kv_quant_kernel.CODES["int8"]
+    assert dll.kvq_key_pass(q_bf16, code, head_dim, G, block_size) == (5 if dll.amx else 1)
+    g = torch.Generator().manual_seed(5)
+    kc = QuantizedKVCache.zeros("int8", 300, block_size, num_kv_heads, head_dim)
+    vc = QuantizedKVCache.zeros("int8", 300, block_size, num_kv_heads, head_dim)
+    tables = scattered_tables(torch.randperm(300, generator=g).tolist(), lens, [1] * len(lens), block_size)
+    fill_context(kc, vc, tables, lens, block_size, num_kv_heads, head_dim, g)
+    meta = AttentionMetadata.build(tables, list(lens), [1] * len(lens), block_size)
+    write_kv(kc, vc, torch.randn(len(lens), num_kv_heads, head_dim, generator=g),
+             torch.randn(len(lens), num_kv_heads, head_dim, generator=g), meta.slot_mapping)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g)
+    q = q * 10 ** (torch.rand(q.shape, generator=g) * 8 - 8)  # |q| from ~1e-8 to ~3
+    q[0, 0] = 0.0
+    q[0, 1 % num_heads] *= 1e-25  # max below 2^-104
+    q[-1, 0] *= 1e30
+    nan_row, inf_row = (len(lens) - 1, num_heads - 1), (0, num_heads - 1)
+    q[nan_row][head_dim // 2] = float("nan")
+    q[inf_row][3] = float("inf")
+    if q_bf16:
+        q = q.bfloat16().float()
+    bt, sl, out = meta.block_tables.contiguous(), meta.seq_lens.contiguous(), torch.empty_like(q)
+    scale = head_dim ** -0.5
+    dll.kvq_decode_attention(q.data_ptr(), kc.codes.data_ptr(), vc.codes.data_ptr(), kc.scale.data_ptr(),
+                             vc.scale.data_ptr(), bt.data_ptr(), bt.stride(0), sl.data_ptr(), out.data_ptr(),
+                             len(lens), num_heads, num_kv_heads, head_dim, block_size, scale, code,
+                             torch.get_num_threads(), q_bf16)
+    ref = reference_paged_attention(q, kc, vc, meta, scale)
+    bad = torch.zeros(q.shape[:2], dtype=torch.bool)
+    bad[nan_row] = bad[inf_row] = True
+    assert out[bad].isnan().all() and ref[bad].isnan().all()
+    assert out[~bad].isfinite().all()
+    k_sum = dequantize(kc.codes, kc.scale, "int8").double().abs().sum(-1).max()
+    v_max = dequantize(vc.codes, vc.scale, "int8").double().abs().max()
+    delta = 2.0 ** -23 * q.double().abs().amax(-1) * k_sum * scale  # [T, H]
+    bound = (torch.exp(2 * delta) - 1) * v_max + KERNEL_TOL
+    err = (out.double() - ref.double()).abs().amax(-1)
+    assert (err[~bad] <= bound[~bad]).all(), (err - bound)[~bad].max()
 
 
 @pytest.mark.parametrize("kind", KINDS)

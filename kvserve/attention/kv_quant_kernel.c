@@ -381,20 +381,18 @@ static inline __attribute__((always_inline)) void amx_score_tile(const void *a, 
     }
 }
 
-/* Tile 0's scores of 16 tokens × G <= 4 queries, times mul (per token lane), to out[g·L + j] for the live
- * tokens j, and into the queries' running maxima mv[g] (16 lanes each, reduced by the caller). C is
- * stored compact ([16 tokens × G], token j's score of query g at cbuf[j·G + g]: at most four vectors) and
- * each query's column picked out with two-source permutes. Against a 16-load gather per query from a
+/* The scores of 16 tokens × G <= 4 queries in the compact C layout (token j's score of query g in lane
+ * j·G + g of c0 | c1 | c2 | c3), times mul (per token lane), to out[g·L + j] for the live tokens j, and
+ * into the queries' running maxima mv[g] (16 lanes each, reduced by the caller). Each query's column is
+ * picked out with two-source permutes. Against a 16-load gather per query from a
  * tile stored 64 bytes a row (which also waits on that store) and a horizontal max per 16 tokens: the
  * bfloat16 key pass over SmolLM2's 30 layers (2 threads, cache from DRAM, interleaved medians), 4096
  * tokens 3.8-6.0 → 3.4-5.7 ms, 1024 1.29 → 1.19 ms, 16 × 384 10.4 → 10.0 ms; the same scores and maxima. */
-static inline __attribute__((always_inline)) void amx_emit_scores(float *cbuf, int G, __m512 mul, float *out,
-                                                                 int64_t L, __mmask16 live, __m512 *mv) {
+static inline __attribute__((always_inline)) void amx_emit_columns(__m512 c0, __m512 c1, __m512 c2, __m512 c3,
+                                                                  int G, __m512 mul, float *out, int64_t L,
+                                                                  __mmask16 live, __m512 *mv) {
     const __m512i token = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                              _mm512_set1_epi32(G));  /* token j's score of query 0 */
-    _tile_stored(0, cbuf, 4 * G);
-    const __m512 c0 = _mm512_load_ps(cbuf), c1 = _mm512_load_ps(cbuf + 16);
-    const __m512 c2 = _mm512_load_ps(cbuf + 32), c3 = _mm512_load_ps(cbuf + 48);  /* past 16·G: unused lanes */
     for (int g = 0; g < G; g++) {
         const __m512i at = _mm512_add_epi32(token, _mm512_set1_epi32(g));
         const __m512 c = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(at, _mm512_set1_epi32(32)),
@@ -403,6 +401,14 @@ static inline __attribute__((always_inline)) void amx_emit_scores(float *cbuf, i
         _mm512_mask_storeu_ps(out + g * L, live, sc);
         mv[g] = _mm512_mask_max_ps(mv[g], live, mv[g], sc);
     }
+}
+
+/* amx_emit_columns of tile 0 (float32 C), stored compact in cbuf [64] (lanes past 16·G unused) */
+static inline __attribute__((always_inline)) void amx_emit_scores(float *cbuf, int G, __m512 mul, float *out,
+                                                                 int64_t L, __mmask16 live, __m512 *mv) {
+    _tile_stored(0, cbuf, 4 * G);
+    amx_emit_columns(_mm512_load_ps(cbuf), _mm512_load_ps(cbuf + 16), _mm512_load_ps(cbuf + 32),
+                     _mm512_load_ps(cbuf + 48), G, mul, out, L, live, mv);
 }
 
 /* k_pass_bf16 on AMX, same arguments (qt from k_amx_queries): per 16 key rows of one head, one tile
@@ -506,14 +512,157 @@ static inline __attribute__((always_inline)) void k_pass_amx_codes(
         if (m > mx[i]) mx[i] = m;
     }
 }
+
+/* Tiles of k_pass_amx_int8: 0, 5, 6 = C, the integer dot products [16 key rows × G queries] int32 with the
+ * queries' high, middle and low digits; 1 = A, 16 key rows × 64 int8 codes; 2, 3, 4 = B, the G queries'
+ * same 64 dims' digits as 16 dim quads × G (the VNNI quad layout). */
+static void k_amx_configure_int8(int G) {
+    amx_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = (uint16_t)(4 * G);
+    }
+    cfg.colsb[1] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* The queries as integers in three signed base-256 digits, for tdpbssd against int8 key codes.
+ * Query row r (= h·G + g): with max|q_r| = f·2^e (f in [0.5, 1)) and E = max(e - 22, -126),
+ * i = round(q · 2^-E) (the scaling is exact; |i| <= 2^22) = 65536 a + 256 b + c, b and c in [-128, 127],
+ * |a| <= 65: q = i · 2^E to within 2^(E - 1) <= max|q_r| · 2^-23, float32's own rounding step (queries
+ * below 2^-104 to within 2^-127). qt: per KV head h and 64 dims c, three 1024-byte B tiles (digits a, b,
+ * c), rows 64 bytes apart: byte 4n + i of row p = the digit of q[(h·G + n)·d + 64c + 4p + i], n < G (the
+ * tiles are 4G bytes wide).
+ * pat: per KV head 4 vectors, lane l of vector k = 2^E of query (16k + l) mod G, the lanes of the compact C
+ * store (amx_emit_scores); NaN for a query row with a NaN or an infinite value, so all its scores are
+ * NaN (a float dot product gives NaN or ±inf there, and the softmax NaN either way). q: [Hkv·G, d]
+ * float32; d % 64 == 0. Vectorized: the scalar version of this, run once per work item, took as long as
+ * the key pass it saved. */
+static void k_amx_queries_int8(const float *q, int8_t *qt, float *pat, int G, int Hkv, int d) {
+    float pw[16];
+    for (int h = 0; h < Hkv; h++) {
+        for (int g = 0; g < G; g++) {
+            const float *qr = q + (int64_t)(h * G + g) * d;
+            __m512 mv = _mm512_setzero_ps();
+            __mmask16 bad = 0;  /* NaN or ±inf */
+            for (int i = 0; i < d; i += 16) {
+                const __m512 x = _mm512_abs_ps(_mm512_loadu_ps(qr + i));
+                bad |= _mm512_cmp_ps_mask(x, _mm512_set1_ps(3.4028234663852886e38f), _CMP_NLE_UQ);
+                mv = _mm512_max_ps(mv, x);
+            }
+            const float m = _mm512_reduce_max_ps(mv);
+            int e = 0;
+            frexpf(m, &e);
+            const int E = m == 0.f ? -126 : e - 22 < -126 ? -126 : e - 22;
+            pw[g] = bad ? NAN : bits_to_float((uint32_t)(127 + E) << 23);
+            if (bad) continue;  /* the row's scores are NaN whatever its digits */
+            const __m512 up = _mm512_set1_ps(bits_to_float((uint32_t)(127 - E) << 23));  /* 2^-E, E in [-126, 106] */
+            const __m512i k128 = _mm512_set1_epi32(128), k255 = _mm512_set1_epi32(255);
+            for (int i = 0; i < d; i += 16) {  /* dims i .. i + 15: rows (i % 64) / 4 .. + 3 of tile i / 64 */
+                const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qr + i), up));  /* nearest even */
+                const __m512i c = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, k128), k255), k128);
+                const __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(v, c), 8);
+                const __m512i bb = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r, k128), k255), k128);
+                const __m512i a = _mm512_srai_epi32(_mm512_sub_epi32(r, bb), 8);
+                int8_t *t = qt + ((int64_t)h * (d / 64) + i / 64) * 3 * 1024 + (i % 64 / 4) * 64 + 4 * g;
+                int32_t da[4], db[4], dc[4];
+                _mm_storeu_si128((__m128i *)da, _mm512_cvtepi32_epi8(a));
+                _mm_storeu_si128((__m128i *)db, _mm512_cvtepi32_epi8(bb));
+                _mm_storeu_si128((__m128i *)dc, _mm512_cvtepi32_epi8(c));
+                for (int k = 0; k < 4; k++) {
+                    memcpy(t + 64 * k, da + k, 4);
+                    memcpy(t + 1024 + 64 * k, db + k, 4);
+                    memcpy(t + 2048 + 64 * k, dc + k, 4);
+                }
+            }
+        }
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < 16; l++) pat[(h * 4 + k) * 16 + l] = pw[(16 * k + l) % G];
+    }
+}
+
+/* The key pass over an int8 cache on AMX's integer tile products (any queries, float32 or bfloat16):
+ * per 16 key rows of one head, the A tile is loaded straight from the cache (rows Hkv·d bytes apart)
+ * and multiplied with each digit of the queries (k_amx_queries_int8), three tdpbssd per 64 dims giving
+ * exact int32 sums; score = ((65536 C_a + 256 C_b + C_c) · 2^E) · (k_scale · softmax scale), each C
+ * exact in float32 (|C| <= 256 · 128 · 128 = 2^22), two float32 roundings in the combination. The
+ * scores differ from k_pass_codes' (float32 products and sums) by the query's rounding to 23 bits, a
+ * float32 step: |Δscore| <= 2^-23 · max|q| · Σ|code| · k_scale · scale. Why: no code is decoded (the
+ * codes are the A tile), where k_pass_amx_codes converts each to bfloat16 through an L1 buffer. SmolLM2's
+ * 30 layers (2 threads, interleaved medians, both with the queries prepared once per sequence): 4096
+ * tokens 3.17 → 2.78 ms, 1024 1.30 → 1.21 ms. G <= 4 (amx_emit_columns), bs % 16 == 0 (the
+ * rows past a partial block's end are read from inside the block and their scores dropped: stale codes are
+ * finite integers, stale scales are never gathered), d % 64 == 0; tiles as k_amx_configure_int8(G). */
+static inline __attribute__((always_inline)) void k_pass_amx_int8(
+        const int8_t *qt, const float *pat, const uint8_t *kc, const float *ks, const int64_t *table,
+        int64_t t_begin, int64_t t_end, float *scores, int64_t L, float *mx, int G, int Hkv, const int d, int bs,
+        float scale) {
+    const int64_t stride = (int64_t)Hkv * d;  /* bytes from one token's row to the next */
+    int32_t cbuf[3][64] __attribute__((aligned(64))) = {{0}};
+    const __m512i kv_row = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(Hkv));  /* token j's scale: j·Hkv on */
+    __m512 mv[Hkv * G];
+    for (int i = 0; i < Hkv * G; i++) mv[i] = _mm512_set1_ps(-INFINITY);
+    for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
+        const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
+        const int64_t next = next_block_base(table, t0, t_end, bs);
+        paced_prefetch pf = pace_next_block(kc, next, bs, stride, Hkv * ((n + 15) / 16));
+        prefetch_scales(ks, next, bs, Hkv);
+        for (int h = 0; h < Hkv; h++)
+            for (int64_t j0 = 0; j0 < n; j0 += 16) {
+                pace_step(&pf);
+                const int nj = n - j0 < 16 ? (int)(n - j0) : 16;
+                const __mmask16 live = (__mmask16)((1u << nj) - 1u);
+                const uint8_t *src = kc + ((base + j0) * Hkv + h) * d;
+                const int8_t *b = qt + (int64_t)h * (d / 64) * 3 * 1024;
+                _tile_zero(0);
+                _tile_zero(5);
+                _tile_zero(6);
+                for (int c = 0; c < d / 64; c++, b += 3 * 1024) {
+                    _tile_loadd(1, src + 64 * c, stride);
+                    _tile_loadd(2, b, 64);
+                    _tile_loadd(3, b + 1024, 64);
+                    _tile_loadd(4, b + 2048, 64);
+                    _tile_dpbssd(0, 1, 2);
+                    _tile_dpbssd(5, 1, 3);
+                    _tile_dpbssd(6, 1, 4);
+                }
+                const __m512 sk = _mm512_mul_ps(  /* the live tokens' K scales (stale slots' may be NaN) */
+                    _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, kv_row, ks + (base + j0) * Hkv + h, 4),
+                    _mm512_set1_ps(scale));
+                _tile_stored(0, cbuf[0], 4 * G);
+                _tile_stored(5, cbuf[1], 4 * G);
+                _tile_stored(6, cbuf[2], 4 * G);
+                __m512 cv[4];
+                for (int k = 0; k < 4; k++) {
+                    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf[1] + 16 * k)),
+                                                      _mm512_set1_ps(256.f),
+                                                      _mm512_cvtepi32_ps(_mm512_load_si512(cbuf[2] + 16 * k)));
+                    cv[k] = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf[0] + 16 * k)),
+                                                          _mm512_set1_ps(65536.f), lo),
+                                          _mm512_load_ps(pat + (h * 4 + k) * 16));
+                }
+                amx_emit_columns(cv[0], cv[1], cv[2], cv[3], G, sk, scores + (int64_t)h * G * L + (t0 - t_begin) + j0,
+                                 L, live, mv + h * G);
+            }
+    }
+    for (int i = 0; i < Hkv * G; i++) {
+        const float m = _mm512_reduce_max_ps(mv[i]);
+        if (m > mx[i]) mx[i] = m;
+    }
+}
 #endif
 #endif
 
-/* Which key pass kvq_decode_attention_team runs: 4 = AMX tile products over 1-byte codes decoded to
+/* Which key pass kvq_decode_attention_team runs: 5 = AMX integer tile products over int8 codes, any
+ * queries (k_pass_amx_int8), 4 = AMX tile products over 1-byte codes decoded to
  * bfloat16 (k_pass_amx_codes), 3 = AMX tile products (k_pass_amx), 2 = bfloat16 pair dot products
  * (k_pass_bf16), 1 = 1-byte codes (k_pass_codes), 0 = the generic loop in attend_chunk. */
 int kvq_key_pass(int q_bf16, int code, int d, int G, int bs) {
 #ifdef HAVE_K_PASS_AMX
+    if (code == 0 && d % 64 == 0 && d <= 256 && G <= 4 && bs % 16 == 0 && kvs_amx_granted()) return 5;
     if (q_bf16 && code == 4 && d % 32 == 0 && d <= 256 && G <= 16 && bs % 16 == 0 && kvs_amx_granted()) return 3;
     if (q_bf16 && code <= 2 && d % 32 == 0 && d <= 256 && G <= 4 && bs % 16 == 0 && kvs_amx_granted()) return 4;
 #endif
@@ -637,11 +786,21 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
     const int key_pass = kvq_key_pass(q_bf16, code, d, G, bs);
 #ifdef HAVE_K_PASS_AMX
     uint16_t *qt = NULL;  /* this thread's B tiles */
-    if (key_pass >= 3) {
+    int8_t *qt8 = NULL;
+    float *pat = NULL;
+    if (key_pass == 5) {
+        qt8 = aligned_alloc(64, (size_t)Hkv * (d / 64) * 3 * 1024);
+        pat = aligned_alloc(64, sizeof(float) * (size_t)Hkv * 64);
+        k_amx_configure_int8(G);
+    } else if (key_pass >= 3) {
         qt = aligned_alloc(64, sizeof(uint16_t) * (size_t)Hkv * (d / 32) * 512);
         k_amx_configure(G);
     }
 #endif
+    /* The sequence whose queries this thread's B tiles hold: a thread takes items in increasing order, so
+     * a sequence's items come to it in a row and its queries are laid out once, not once per item (SmolLM2
+     * at 4096 tokens: 8 items per layer). */
+    int prepared = -1;
     /* partial state of (sequence b, kv head h, chunk c) at index first[b] * Hkv + h * nchunks_b + c */
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; item++) {
@@ -664,12 +823,23 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
 #undef K_CODES
         }
 #endif
+#ifdef HAVE_K_PASS_AMX
+        if (key_pass == 5) {
+            pre = malloc(sizeof(float) * (size_t)(H * L + H));
+            pre_mx = pre + H * L;
+            for (int i = 0; i < H; i++) pre_mx[i] = -INFINITY;
+            if (b != prepared) k_amx_queries_int8(q + (int64_t)b * H * d, qt8, pat, G, Hkv, d);
+            prepared = b;
+            if (d == 64) k_pass_amx_int8(qt8, pat, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 64, bs, scale);
+            else k_pass_amx_int8(qt8, pat, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, d, bs, scale);
+        }
+#endif
 #ifdef HAVE_K_PASS_BF16
-        if (key_pass >= 2) {
+        if (key_pass >= 2 && key_pass <= 4) {
             pre = malloc(sizeof(float) * (size_t)(H * L + H) + sizeof(uint16_t) * (size_t)(H * d));
             pre_mx = pre + H * L;
             uint16_t *qh = (uint16_t *)(pre_mx + H);
-            for (int64_t i = 0; i < (int64_t)H * d; i++) {  /* exact: the queries are bfloat16 values */
+            for (int64_t i = 0; (key_pass == 2 || b != prepared) && i < (int64_t)H * d; i++) {  /* exact: bfloat16 values */
                 uint32_t bits;
                 memcpy(&bits, q + (int64_t)b * H * d + i, 4);
                 qh[i] = (uint16_t)(bits >> 16);
@@ -677,14 +847,16 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
             for (int i = 0; i < H; i++) pre_mx[i] = -INFINITY;
 #ifdef HAVE_K_PASS_AMX
             if (key_pass == 4) {
-                k_amx_queries(qh, qt, G, Hkv, d);
+                if (b != prepared) k_amx_queries(qh, qt, G, Hkv, d);
+                prepared = b;
 #define K_AMX_CODES(CODE) \
                 if (d == 64) k_pass_amx_codes(qt, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 64, bs, scale, CODE); \
                 else k_pass_amx_codes(qt, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, d, bs, scale, CODE);
                 if (code == 0) { K_AMX_CODES(0) } else if (code == 1) { K_AMX_CODES(1) } else { K_AMX_CODES(2) }
 #undef K_AMX_CODES
             } else if (key_pass == 3) {
-                k_amx_queries(qh, qt, G, Hkv, d);
+                if (b != prepared) k_amx_queries(qh, qt, G, Hkv, d);
+                prepared = b;
                 if (d == 64) k_pass_amx(qt, kc, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 64, bs, scale);
                 else k_pass_amx(qt, kc, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, d, bs, scale);
             } else
@@ -713,6 +885,8 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
     if (key_pass >= 3) {
         _tile_release();
         free(qt);
+        free(qt8);
+        free(pat);
     }
 #endif
 #pragma omp for schedule(static)
