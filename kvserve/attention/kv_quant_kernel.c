@@ -353,15 +353,18 @@ static void k_amx_configure(int G) {
 }
 
 /* Every KV head's B tiles: qt[(h·(d/32) + c)·512 + 32p + 2g + i] = qh[(h·G + g)·d + 32c + 2p + i], 16 rows
- * of 64 bytes per 32 dims (columns past 2G zero). qh: [Hkv·G, d] bfloat16 bits; qt: [Hkv · d/32 · 512]. */
+ * of 64 bytes per 32 dims, of which the tiles read the first 4G (columns past G are left as they are).
+ * qh: [Hkv·G, d] bfloat16 bits; qt: [Hkv · d/32 · 512]. One 16-lane scatter per query row and 32 dims;
+ * the scalar loop and a memset of the buffer it replaced cost, with 16 sequences of 320 bfloat16 tokens
+ * (a layout per sequence and layer), 5 % of SmolLM2's 30-layer attention: 7.29 → 6.93 ms. */
 static void k_amx_queries(const uint16_t *qh, uint16_t *qt, int G, int Hkv, int d) {
-    memset(qt, 0, sizeof(uint16_t) * (size_t)Hkv * (d / 32) * 512);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));  /* pair p: dword 16p of the tile */
     for (int h = 0; h < Hkv; h++)
         for (int c = 0; c < d / 32; c++)
-            for (int p = 0; p < 16; p++)
-                for (int g = 0; g < G; g++)
-                    for (int i = 0; i < 2; i++)
-                        qt[(h * (d / 32) + c) * 512 + 32 * p + 2 * g + i] = qh[(h * G + g) * d + 32 * c + 2 * p + i];
+            for (int g = 0; g < G; g++)
+                _mm512_i32scatter_epi32(qt + (h * (d / 32) + c) * 512 + 2 * g, rows,
+                                        _mm512_loadu_si512(qh + (h * G + g) * d + 32 * c), 4);
 }
 
 /* C (tile 0) = 16 key rows (A: rows a_stride bytes apart, d bfloat16 each) times one KV head's query
