@@ -230,17 +230,20 @@ static inline __attribute__((always_inline)) void amx_apply(const uint16_t *rec,
 /* rows (<= 16) rows of x × one tile of 16 weight rows with AMX: per group, the 16 code vectors become
  * bf16 (q − 8) (as in int4_tile) and are stored as the B tile; C = A·B holds each row's 16 group sums
  * A_g, and y += scale·A_g + zero·X_g as in int4_tile. The same products and float32 sums as int4_tile,
- * in another order. Eight groups at a time, in three phases: unpack their records, run their tile
- * products (two sets of tiles, alternating) into eight C buffers, then add their terms to y in group
+ * in another order. Two groups at a time (CHUNK), in three phases: unpack their records, run their tile
+ * products (one on each of the two sets of tiles) into two C buffers, then add their terms to y in group
  * order. Group by group, each group's unpack → tile load → product → store → scale waited on the one
  * before (tiles are not renamed), and the core idled between AMX and vector work. SmolLM2's 120
  * matrices: 7.7 → 4.2 ms at 4 rows, 9.4 → 6.9 ms at 16, 29 → 22 ms at 64; at 2 and 3 rows it now beats
- * the vdpbf16ps path (hence INT4_AMX_MIN_ROWS 2; at 1 row it does not). The tile configuration must be
- * amx_configure(rows). */
+ * the vdpbf16ps path (hence INT4_AMX_MIN_ROWS 2; at 1 row it does not). That was eight groups at a
+ * time; two are faster (their 4 KB of buffers against eight's 16 KB in a 48 KB L1 that also holds the
+ * weight stream and x): SmolLM2's 49152 × 576 LM head, interleaved medians, 16 rows 2.05 → 1.82 ms,
+ * 64 rows 8.0 → 6.6 ms, 256 rows 30.6 → 26.3 ms; bit-identical; one at a time is as slow as eight.
+ * The tile configuration must be amx_configure(rows). */
 static inline __attribute__((always_inline)) void int4_tile_amx_rows(const uint16_t *rec, int G, const uint16_t *x,
                                                                      int64_t xs, const float *xsum, float *out,
                                                                      const int rows) {
-    enum { CHUNK = 8 };  /* groups per phase */
+    enum { CHUNK = 2 };  /* groups per phase */
     const __m512i table = _mm512_load_si512(q_minus_8_lut);
     uint16_t b[CHUNK][16 * 32] __attribute__((aligned(64)));
     float c[CHUNK][16 * 16] __attribute__((aligned(64)));
