@@ -174,7 +174,7 @@ def test_key_pass_dispatch_takes_amx_tiles_only_where_they_fit():
     assert dll.kvq_key_pass(1, bf16, 64, 3, 8) == 2  # half a tile per block
     assert dll.kvq_key_pass(1, bf16, 64, 17, 16) == 2  # more query columns than a tile holds
     assert dll.kvq_key_pass(0, bf16, 64, 3, 16) == 0  # float32 queries: no bfloat16 products
-    # 1-byte codes, up to 4 queries per KV head: int8 on AMX integer tiles for any queries (k_pass_amx_int8),
+    # 1-byte codes, up to 4 queries per KV head: int8 on AMX integer tiles for any queries (k_pass_amx_codes, integer),
     # fp8 (and int8 of head_dim 32 mod 64) on codes decoded to bfloat16 for bfloat16 queries (k_pass_amx_codes)
     int8_amx, codes_amx = (5, 4) if dll.amx else (1, 1)
     assert dll.kvq_key_pass(1, int8, 64, 3, 16) == int8_amx

@@ -222,8 +222,8 @@ def test_vectorized_decode_matches_quantized_reference(kind, head_dim, block_siz
 def test_key_pass_on_bfloat16_queries_matches_quantized_reference(kind, head_dim, block_size, heads, lens):
     """The decode step of a bfloat16 model over a 1-byte cache (queries hold bfloat16 values, q_bf16 = 1,
     as the one-call step passes them): where the CPU grants AMX (up to 4 queries per KV head, 16-row
-    blocks) k_pass_amx_int8 for int8 with head_dim % 64 == 0 and k_pass_amx_codes for the rest, else
-    k_pass_codes, against the reference over the same codes. Slots past each
+    blocks) k_pass_amx_codes, on integer tiles for int8 with head_dim % 64 == 0 and on codes decoded to
+    bfloat16 for the rest, else k_pass_codes, against the reference over the same codes. Slots past each
     sequence's end hold NaN scales and code 0x7F (NaN in both fp8 formats): a 16-row group that lets one
     into a score turns the output NaN."""
     dll = kv_quant_kernel.load()
@@ -264,8 +264,8 @@ def test_key_pass_on_bfloat16_queries_matches_quantized_reference(kind, head_dim
     (64, 16, (4, 4), [5, 530])])  # one query per KV head
 @pytest.mark.parametrize("q_bf16", [0, 1], ids=["f32-queries", "bf16-queries"])
 def test_int8_integer_key_pass_against_float64(head_dim, block_size, heads, lens, q_bf16):
-    """k_pass_amx_int8 (where the CPU grants AMX: tdpbssd over the codes, each query row an integer of
-    23 bits in three signed base-256 digits times a power of two) against float64 attention over the same
+    """k_pass_amx_codes on integer tiles (where the CPU grants AMX: tdpbssd over the codes, each query row
+    an integer of 23 bits in three signed base-256 digits times a power of two) against float64 attention over the same
     codes. Query elements span 8 decades; one row is zero, one below 2^-104 (its power of two clamps at
     2^-126), one of ~1e30, one holds a NaN and one an inf: those two rows' outputs are NaN, as the float64
     reference's, and the rows beside them unaffected. Bound per row: each query element rounds to within

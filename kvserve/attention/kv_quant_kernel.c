@@ -463,62 +463,10 @@ static inline __attribute__((always_inline)) void k_pass_amx(
     }
 }
 
-/* k_pass_amx over a 1-byte cache (int8, fp8 e4m3, fp8 e5m2 codes) for bfloat16 queries: each 16-row
- * group's codes are decoded (load16) and stored as bfloat16 in an L1 buffer, exactly (|int8| <= 127 and
- * every fp8 value fit bfloat16's 8 significant bits and exponent range, none of them denormal), the A
- * tile is loaded from there, and score = C · (k_scale · softmax scale) as k_pass_codes computes it:
- * the same products, float32 sums in another order. Like k_pass_amx, tdpbf16ps reads a denormal query
- * value (|q| < 2^-126) as zero, where k_pass_codes multiplies it: that only shows when key scales
- * near float32's maximum make such a product count. Two buffers in turn, so one group's stores need not
- * wait for the tile loads of the group before. G <= 4 (amx_emit_scores), bs % 16 == 0 (rows past a
- * partial block's end are decoded, their scores dropped: a stale NaN code or scale never reaches a
- * score); tiles as k_amx_configure(G). SmolLM2's 30 layers (2 threads, cache from DRAM, interleaved
- * medians) against k_pass_codes: int8 4096 tokens 4.47 → 3.82 ms, 1024 1.28 → 1.18 ms, 16 × 384 6.10 →
- * 5.31 ms; fp8 e4m3 4096 tokens 6.81 → 6.34 ms. (With a 16-load gather per query to read C it ran 4 %
- * slower than k_pass_codes.) */
-static inline __attribute__((always_inline)) void k_pass_amx_codes(
-        const uint16_t *qt, const uint8_t *kc, const float *ks, const int64_t *table, int64_t t_begin, int64_t t_end,
-        float *scores, int64_t L, float *mx, int G, int Hkv, const int d, int bs, float scale, const int code) {
-    const int64_t stride = (int64_t)Hkv * d;  /* bytes from one token's row to the next */
-    uint16_t abuf[2][16 * 256] __attribute__((aligned(64)));
-    float cbuf[16 * 16] __attribute__((aligned(64)));
-    const __m512i kv_row = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(Hkv));  /* token j's scale: j·Hkv on */
-    __m512 mv[Hkv * G];
-    for (int i = 0; i < Hkv * G; i++) mv[i] = _mm512_set1_ps(-INFINITY);
-    int buf = 0;
-    for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
-        const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
-        const int64_t next = next_block_base(table, t0, t_end, bs);
-        paced_prefetch pf = pace_next_block(kc, next, bs, stride, Hkv * ((n + 15) / 16));
-        prefetch_scales(ks, next, bs, Hkv);
-        for (int h = 0; h < Hkv; h++)
-            for (int64_t j0 = 0; j0 < n; j0 += 16, buf ^= 1) {
-                pace_step(&pf);
-                const int nj = n - j0 < 16 ? (int)(n - j0) : 16;
-                const __mmask16 live = (__mmask16)((1u << nj) - 1u);
-                const uint8_t *src = kc + ((base + j0) * Hkv + h) * d;
-                uint16_t *a = abuf[buf];
-                for (int j = 0; j < 16; j++)
-                    for (int c = 0; c < d; c += 32)
-                        _mm512_store_si512(a + j * d + c, (__m512i)_mm512_cvtne2ps_pbh(
-                            (__m512)load16(src + j * stride + c + 16, code), (__m512)load16(src + j * stride + c, code)));
-                const __m512 sk = _mm512_mul_ps(  /* the live tokens' K scales (stale slots' may be NaN) */
-                    _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, kv_row, ks + (base + j0) * Hkv + h, 4),
-                    _mm512_set1_ps(scale));
-                amx_score_tile(a, 2 * d, qt + (int64_t)h * (d / 32) * 512, d);
-                amx_emit_scores(cbuf, G, sk, scores + (int64_t)h * G * L + (t0 - t_begin) + j0, L, live, mv + h * G);
-            }
-    }
-    for (int i = 0; i < Hkv * G; i++) {
-        const float m = _mm512_reduce_max_ps(mv[i]);
-        if (m > mx[i]) mx[i] = m;
-    }
-}
-
-/* Tiles of k_pass_amx_int8: 0, 5, 6 = C, the integer dot products [16 key rows × G queries] int32 with the
- * queries' high, middle and low digits; 1 = A, 16 key rows × 64 int8 codes; 2, 3, 4 = B, the G queries'
- * same 64 dims' digits as 16 dim quads × G (the VNNI quad layout). */
+/* Tiles of the integer key pass (k_pass_amx_codes over int8): 0, 5, 6 = C, the integer dot products
+ * [16 key rows × G queries] int32 with the queries' high, middle and low digits; 1 = A, 16 key rows × 64
+ * int8 codes; 2, 3, 4 = B, the G queries' same 64 dims' digits as 16 dim quads × G (the VNNI quad
+ * layout). */
 static void k_amx_configure_int8(int G) {
     amx_tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -539,7 +487,7 @@ static void k_amx_configure_int8(int G) {
  * c), rows 64 bytes apart: byte 4n + i of row p = the digit of q[(h·G + n)·d + 64c + 4p + i], n < G (the
  * tiles are 4G bytes wide).
  * pat: per KV head 4 vectors, lane l of vector k = 2^E of query (16k + l) mod G, the lanes of the compact C
- * store (amx_emit_scores); NaN for a query row with a NaN or an infinite value, so all its scores are
+ * store (amx_emit_columns); NaN for a query row with a NaN or an infinite value, so all its scores are
  * NaN (a float dot product gives NaN or ±inf there, and the softmax NaN either way). q: [Hkv·G, d]
  * float32; d % 64 == 0. Vectorized: the scalar version of this, run once per work item, took as long as
  * the key pass it saved. */
@@ -586,67 +534,105 @@ static void k_amx_queries_int8(const float *q, int8_t *qt, float *pat, int G, in
     }
 }
 
-/* The key pass over an int8 cache on AMX's integer tile products (any queries, float32 or bfloat16):
- * per 16 key rows of one head, the A tile is loaded straight from the cache (rows Hkv·d bytes apart)
- * and multiplied with each digit of the queries (k_amx_queries_int8), three tdpbssd per 64 dims giving
- * exact int32 sums; score = ((65536 C_a + 256 C_b + C_c) · 2^E) · (k_scale · softmax scale), each C
- * exact in float32 (|C| <= 256 · 128 · 128 = 2^22), two float32 roundings in the combination. The
- * scores differ from k_pass_codes' (float32 products and sums) by the query's rounding to 23 bits, a
- * float32 step: |Δscore| <= 2^-23 · max|q| · Σ|code| · k_scale · scale. Why: no code is decoded (the
- * codes are the A tile), where k_pass_amx_codes converts each to bfloat16 through an L1 buffer. SmolLM2's
- * 30 layers (2 threads, interleaved medians, both with the queries prepared once per sequence): 4096
- * tokens 3.17 → 2.78 ms, 1024 1.30 → 1.21 ms. G <= 4 (amx_emit_columns), bs % 16 == 0 (the
- * rows past a partial block's end are read from inside the block and their scores dropped: stale codes are
- * finite integers, stale scales are never gathered), d % 64 == 0; tiles as k_amx_configure_int8(G). */
-static inline __attribute__((always_inline)) void k_pass_amx_int8(
-        const int8_t *qt, const float *pat, const uint8_t *kc, const float *ks, const int64_t *table,
-        int64_t t_begin, int64_t t_end, float *scores, int64_t L, float *mx, int G, int Hkv, const int d, int bs,
-        float scale) {
+/* The scores of 16 key rows of codes (src, rows stride bytes apart) for one KV head's queries, unscaled,
+ * in amx_emit_columns' lanes. Integer (int8 codes, k_amx_configure_int8's tiles): the codes are the A tile
+ * of tdpbssd as they are; three tile products per 64 dims with the query digits b (k_amx_queries_int8)
+ * give exact int32 sums, and C = (65536 C_a + 256 C_b + C_c) · 2^E (pat), each C exact in float32 (|C| <=
+ * 256 · 128 · 128 = 2^22), two float32 roundings in the combination. Otherwise (k_amx_configure's
+ * tiles): the codes are decoded (load16) and stored as bfloat16 in the L1 buffer a, exactly (|int8| <=
+ * 127 and every fp8 value fit bfloat16's 8 significant bits and exponent range, none of them denormal),
+ * and multiplied by the bfloat16 query tiles b (k_amx_queries) from there. */
+static inline __attribute__((always_inline)) void amx_code_scores(const uint8_t *src, int64_t stride,
+                                                                 const void *b, const float *pat, int G, const int d,
+                                                                 const int code, const int integer, uint16_t *a,
+                                                                 void *cbuf, __m512 *cv) {
+    if (integer) {
+        const int8_t *q8 = b;
+        int32_t *c32 = cbuf;  /* [3][64] */
+        _tile_zero(0);
+        _tile_zero(5);
+        _tile_zero(6);
+        for (int c = 0; c < d / 64; c++, q8 += 3 * 1024) {
+            _tile_loadd(1, src + 64 * c, stride);
+            _tile_loadd(2, q8, 64);
+            _tile_loadd(3, q8 + 1024, 64);
+            _tile_loadd(4, q8 + 2048, 64);
+            _tile_dpbssd(0, 1, 2);
+            _tile_dpbssd(5, 1, 3);
+            _tile_dpbssd(6, 1, 4);
+        }
+        _tile_stored(0, c32, 4 * G);
+        _tile_stored(5, c32 + 64, 4 * G);
+        _tile_stored(6, c32 + 128, 4 * G);
+        for (int k = 0; k < 4; k++) {
+            const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c32 + 64 + 16 * k)),
+                                              _mm512_set1_ps(256.f),
+                                              _mm512_cvtepi32_ps(_mm512_load_si512(c32 + 128 + 16 * k)));
+            cv[k] = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c32 + 16 * k)),
+                                                  _mm512_set1_ps(65536.f), lo),
+                                  _mm512_load_ps(pat + 16 * k));
+        }
+        return;
+    }
+    for (int j = 0; j < 16; j++)
+        for (int c = 0; c < d; c += 32)
+            _mm512_store_si512(a + j * d + c, (__m512i)_mm512_cvtne2ps_pbh(
+                (__m512)load16(src + j * stride + c + 16, code), (__m512)load16(src + j * stride + c, code)));
+    amx_score_tile(a, 2 * d, b, d);
+    float *c = cbuf;
+    _tile_stored(0, c, 4 * G);
+    for (int k = 0; k < 4; k++) cv[k] = _mm512_load_ps(c + 16 * k);  /* past 16·G: unused lanes */
+}
+
+/* k_pass_amx over a 1-byte cache (int8, fp8 e4m3, fp8 e5m2 codes): per 16 key rows of one head,
+ * amx_code_scores, then score = C · (k_scale · softmax scale) as k_pass_codes computes it.
+ * - integer = 1 (int8 codes, any queries, float32 or bfloat16; d % 64 == 0; qt, pat from
+ *   k_amx_queries_int8; tiles as k_amx_configure_int8(G)): the scores differ from k_pass_codes' (float32
+ *   products and sums) by the query's rounding to 23 bits, a float32 step: |Δscore| <= 2^-23 · max|q| ·
+ *   Σ|code| · k_scale · scale. Why: no code is decoded. SmolLM2's 30 layers, int8 (2 threads,
+ *   interleaved medians, both with the queries laid out once per sequence): 4096 tokens 3.17 → 2.78 ms,
+ *   1024 1.30 → 1.21 ms.
+ * - integer = 0 (bfloat16 queries; qt from k_amx_queries; tiles as k_amx_configure(G)): the same products
+ *   as k_pass_codes, float32 sums in another order. Like k_pass_amx, tdpbf16ps reads a denormal query
+ *   value (|q| < 2^-126) as zero, where k_pass_codes multiplies it: that only shows when key scales near
+ *   float32's maximum make such a product count. Two decode buffers in turn, so one group's stores need
+ *   not wait for the tile loads of the group before. Against k_pass_codes (same runs as above, before the
+ *   integer pass): int8 4096 tokens 4.47 → 3.82 ms, 1024 1.28 → 1.18 ms, 16 × 384 6.10 → 5.31 ms; fp8
+ *   e4m3 4096 tokens 6.81 → 6.34 ms. (With a 16-load gather per query to read C it ran 4 % slower than
+ *   k_pass_codes.)
+ * G <= 4 (amx_emit_columns); bs % 16 == 0: the rows past a partial block's end are read from inside the
+ * block and their scores dropped (a stale code is a finite integer, or a NaN fp8 code that never reaches a
+ * score; stale scales are never gathered). */
+static inline __attribute__((always_inline)) void k_pass_amx_codes(
+        const void *qt, const float *pat, const uint8_t *kc, const float *ks, const int64_t *table, int64_t t_begin,
+        int64_t t_end, float *scores, int64_t L, float *mx, int G, int Hkv, const int d, int bs, float scale,
+        const int code, const int integer) {
     const int64_t stride = (int64_t)Hkv * d;  /* bytes from one token's row to the next */
-    int32_t cbuf[3][64] __attribute__((aligned(64))) = {{0}};
+    uint16_t abuf[2][16 * 256] __attribute__((aligned(64)));  /* integer: unused */
+    int32_t cbuf[3 * 64] __attribute__((aligned(64))) = {0};
     const __m512i kv_row = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32(Hkv));  /* token j's scale: j·Hkv on */
     __m512 mv[Hkv * G];
     for (int i = 0; i < Hkv * G; i++) mv[i] = _mm512_set1_ps(-INFINITY);
+    int buf = 0;
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
         const int64_t next = next_block_base(table, t0, t_end, bs);
         paced_prefetch pf = pace_next_block(kc, next, bs, stride, Hkv * ((n + 15) / 16));
         prefetch_scales(ks, next, bs, Hkv);
         for (int h = 0; h < Hkv; h++)
-            for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            for (int64_t j0 = 0; j0 < n; j0 += 16, buf ^= 1) {
                 pace_step(&pf);
                 const int nj = n - j0 < 16 ? (int)(n - j0) : 16;
                 const __mmask16 live = (__mmask16)((1u << nj) - 1u);
-                const uint8_t *src = kc + ((base + j0) * Hkv + h) * d;
-                const int8_t *b = qt + (int64_t)h * (d / 64) * 3 * 1024;
-                _tile_zero(0);
-                _tile_zero(5);
-                _tile_zero(6);
-                for (int c = 0; c < d / 64; c++, b += 3 * 1024) {
-                    _tile_loadd(1, src + 64 * c, stride);
-                    _tile_loadd(2, b, 64);
-                    _tile_loadd(3, b + 1024, 64);
-                    _tile_loadd(4, b + 2048, 64);
-                    _tile_dpbssd(0, 1, 2);
-                    _tile_dpbssd(5, 1, 3);
-                    _tile_dpbssd(6, 1, 4);
-                }
+                __m512 cv[4];
+                amx_code_scores(kc + ((base + j0) * Hkv + h) * d, stride,
+                                integer ? (const void *)((const int8_t *)qt + (int64_t)h * (d / 64) * 3 * 1024)
+                                        : (const void *)((const uint16_t *)qt + (int64_t)h * (d / 32) * 512),
+                                integer ? pat + h * 64 : NULL, G, d, code, integer, abuf[buf], cbuf, cv);
                 const __m512 sk = _mm512_mul_ps(  /* the live tokens' K scales (stale slots' may be NaN) */
                     _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, kv_row, ks + (base + j0) * Hkv + h, 4),
                     _mm512_set1_ps(scale));
-                _tile_stored(0, cbuf[0], 4 * G);
-                _tile_stored(5, cbuf[1], 4 * G);
-                _tile_stored(6, cbuf[2], 4 * G);
-                __m512 cv[4];
-                for (int k = 0; k < 4; k++) {
-                    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf[1] + 16 * k)),
-                                                      _mm512_set1_ps(256.f),
-                                                      _mm512_cvtepi32_ps(_mm512_load_si512(cbuf[2] + 16 * k)));
-                    cv[k] = _mm512_mul_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf[0] + 16 * k)),
-                                                          _mm512_set1_ps(65536.f), lo),
-                                          _mm512_load_ps(pat + (h * 4 + k) * 16));
-                }
                 amx_emit_columns(cv[0], cv[1], cv[2], cv[3], G, sk, scores + (int64_t)h * G * L + (t0 - t_begin) + j0,
                                  L, live, mv + h * G);
             }
@@ -656,11 +642,12 @@ static inline __attribute__((always_inline)) void k_pass_amx_int8(
         if (m > mx[i]) mx[i] = m;
     }
 }
+
 #endif
 #endif
 
 /* Which key pass kvq_decode_attention_team runs: 5 = AMX integer tile products over int8 codes, any
- * queries (k_pass_amx_int8), 4 = AMX tile products over 1-byte codes decoded to
+ * queries (k_pass_amx_codes, integer), 4 = AMX tile products over 1-byte codes decoded to
  * bfloat16 (k_pass_amx_codes), 3 = AMX tile products (k_pass_amx), 2 = bfloat16 pair dot products
  * (k_pass_bf16), 1 = 1-byte codes (k_pass_codes), 0 = the generic loop in attend_chunk. */
 int kvq_key_pass(int q_bf16, int code, int d, int G, int bs) {
@@ -833,8 +820,10 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
             for (int i = 0; i < H; i++) pre_mx[i] = -INFINITY;
             if (b != prepared) k_amx_queries_int8(q + (int64_t)b * H * d, qt8, pat, G, Hkv, d);
             prepared = b;
-            if (d == 64) k_pass_amx_int8(qt8, pat, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 64, bs, scale);
-            else k_pass_amx_int8(qt8, pat, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, d, bs, scale);
+            if (d == 64)
+                k_pass_amx_codes(qt8, pat, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 64, bs, scale, 0, 1);
+            else
+                k_pass_amx_codes(qt8, pat, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, d, bs, scale, 0, 1);
         }
 #endif
 #ifdef HAVE_K_PASS_BF16
@@ -842,7 +831,8 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
             pre = malloc(sizeof(float) * (size_t)(H * L + H) + sizeof(uint16_t) * (size_t)(H * d));
             pre_mx = pre + H * L;
             uint16_t *qh = (uint16_t *)(pre_mx + H);
-            for (int64_t i = 0; (key_pass == 2 || b != prepared) && i < (int64_t)H * d; i++) {  /* exact: bfloat16 values */
+            /* exact: the queries are bfloat16 values; the AMX passes need them once per sequence */
+            for (int64_t i = 0; (key_pass == 2 || b != prepared) && i < (int64_t)H * d; i++) {
                 uint32_t bits;
                 memcpy(&bits, q + (int64_t)b * H * d + i, 4);
                 qh[i] = (uint16_t)(bits >> 16);
@@ -853,8 +843,12 @@ void kvq_decode_attention_team(const float *q, const uint8_t *kc, const uint8_t 
                 if (b != prepared) k_amx_queries(qh, qt, G, Hkv, d);
                 prepared = b;
 #define K_AMX_CODES(CODE) \
-                if (d == 64) k_pass_amx_codes(qt, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 64, bs, scale, CODE); \
-                else k_pass_amx_codes(qt, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, d, bs, scale, CODE);
+                if (d == 64) \
+                    k_pass_amx_codes(qt, NULL, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, 64, bs, scale, \
+                                     CODE, 0); \
+                else \
+                    k_pass_amx_codes(qt, NULL, kc, ks, table, t_begin, t_end, pre, L, pre_mx, G, Hkv, d, bs, scale, \
+                                     CODE, 0);
                 if (code == 0) { K_AMX_CODES(0) } else if (code == 1) { K_AMX_CODES(1) } else { K_AMX_CODES(2) }
 #undef K_AMX_CODES
             } else if (key_pass == 3) {
