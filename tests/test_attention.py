@@ -160,8 +160,11 @@ def test_bfloat16_pair_dot_k_pass_against_float64(heads, head_dim, block_size):
 
 
 def test_key_pass_dispatch_takes_amx_tiles_only_where_they_fit():
-    """The cases above reach the AMX key pass where this CPU has it (else they test the pair-dot pass
-    alone): bfloat16 queries and cache, whole 16-row tiles in every block, at most 16 queries per tile."""
+    """Which key pass each cache and shape takes. bfloat16 caches: AMX tiles for bfloat16 queries, whole
+    16-row tiles in every block and at most 16 queries per tile (so the cases above reach it where this
+    CPU has AMX; else they test the pair-dot pass alone). 1-byte caches on AMX: at most 4 queries per KV
+    head and whole 16-row tiles; int8 on integer tiles for any queries when head_dim % 64 == 0, else (and
+    fp8) on codes decoded to bfloat16 for bfloat16 queries; otherwise the vector pass over codes."""
     from kvserve.attention import kv_quant_kernel
 
     dll = kv_quant_kernel.load()

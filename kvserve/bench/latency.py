@@ -270,7 +270,7 @@ def format_report(rep: LatencyReport) -> str:
               "  step read: GB/s of a plain read of a buffer of one step's bytes, read again and again (from the cache",
               "  where they fit, so it can beat the plain read); % step: GB/s as a share of it"]
     if slope is not None:
-        lines.append(f"  ITL slope over context: {slope:.1f} GB/s of extra KV bytes per extra ms "
+        lines.append(f"  ITL slope over context: extra KV bytes ÷ extra ITL = {slope:.1f} GB/s "
                      f"(plain read {rep.read_gb_per_s:.1f} GB/s; equal = attention time grows with KV bytes ÷ bandwidth)")
     if rep.throughput:
         how = f"temperature {rep.temperature:g}" if rep.temperature else "greedy"
