@@ -269,10 +269,11 @@ def test_int8_integer_key_pass_against_float64(head_dim, block_size, heads, lens
     codes. Query elements span 8 decades; one row is zero, one below 2^-104 (its power of two clamps at
     2^-126), one of ~1e30, one holds a NaN and one an inf: those two rows' outputs are NaN, as the float64
     reference's, and the rows beside them unaffected. Bound per row: each query element rounds to within
-    2^-23 · max|q_row|, so a score moves by at most δ = 2^-23 · max|q_row| · max_t Σ|k_t| · scale (k_t a
-    dequantized key row), each softmax weight by a factor within e^(±2δ), the output by at most
-    (e^(2δ) - 1) · max|v|, plus KERNEL_TOL for float32 sums. The kernel stays within 1 % of the bound;
-    rounding the query at 2^-15 instead (two digits) exceeds it in the SmolLM2-shaped cases."""
+    2^-22 · max|q_row| (half a step of 2^(e - 22), max|q_row| >= 2^(e - 1)), so a score moves by at most
+    δ = 2^-22 · max|q_row| · max_t Σ|k_t| · scale (k_t a dequantized key row), each softmax weight by a
+    factor within e^(±2δ), the output by at most (e^(2δ) - 1) · max|v|, plus KERNEL_TOL for float32
+    sums. The kernel stays within 1 % of the bound; rounding the query at 2^-15 instead (two digits)
+    exceeds it in the SmolLM2-shaped cases."""
     dll = kv_quant_kernel.load()
     if dll is None:
         pytest.skip("no C compiler: the kernel path is not built here")
@@ -310,10 +311,45 @@ def test_int8_integer_key_pass_against_float64(head_dim, block_size, heads, lens
     assert out[~bad].isfinite().all()
     k_sum = dequantize(kc.codes, kc.scale, "int8").double().abs().sum(-1).max()
     v_max = dequantize(vc.codes, vc.scale, "int8").double().abs().max()
-    delta = 2.0 ** -23 * q.double().abs().amax(-1) * k_sum * scale  # [T, H]
+    delta = 2.0 ** -22 * q.double().abs().amax(-1) * k_sum * scale  # [T, H]
     bound = (torch.exp(2 * delta) - 1) * v_max + KERNEL_TOL
     err = (out.double() - ref.double()).abs().amax(-1)
     assert (err[~bad] <= bound[~bad]).all(), (err - bound)[~bad].max()
+
+
+def test_int8_integer_key_pass_bound_where_max_q_is_a_power_of_two():
+    """The query rounding's worst case (an adversarial helper's): max|q| = 1 exactly, so the step is 2^-21
+    of it, and the other elements sit half a step off, rounding up in one key's dims and down in the
+    other's. Two nearly equal scores of ~9900 then move apart by ~2^-21 · 9900; the output stays within
+    the 2^-22 bound (it exceeded the 2^-23 first claimed)."""
+    dll = kv_quant_kernel.load()
+    if dll is None or not dll.amx:
+        pytest.skip("the integer key pass needs the kernel and AMX")
+    d, bs = 64, 16
+    assert dll.kvq_key_pass(0, kv_quant_kernel.CODES["int8"], d, 1, bs) == 5
+    q = torch.zeros(1, 1, d)
+    q[0, 0, 0] = 1.0
+    q[0, 0, 1:32] = 1 - 2.0 ** -22
+    q[0, 0, 32:64] = 1 - 3 * 2.0 ** -22
+    kc, vc = QuantizedKVCache.zeros("int8", 1, bs, 1, d), QuantizedKVCache.zeros("int8", 1, bs, 1, d)
+    kc.codes.view(torch.int8)[0, 0, 0, 1:32] = 127
+    kc.codes.view(torch.int8)[0, 1, 0, 32:63] = 127
+    vc.codes.view(torch.int8)[0, 0, 0, 0] = 127
+    vc.codes.view(torch.int8)[0, 1, 0, 0] = -127
+    scale = d ** -0.5
+    k1 = 9900 / (127 * 31 * scale)
+    kc.scale[0, 0, 0], kc.scale[0, 1, 0] = k1, k1 * (1 - 2 ** -22) / (1 - 3 * 2 ** -22)
+    vc.scale[0, :2, 0] = 1000 / 127
+    meta = AttentionMetadata.build([[0]], [1], [1], bs)
+    bt, sl, out = meta.block_tables.contiguous(), meta.seq_lens.contiguous(), torch.empty_like(q)
+    dll.kvq_decode_attention(q.data_ptr(), kc.codes.data_ptr(), vc.codes.data_ptr(), kc.scale.data_ptr(),
+                             vc.scale.data_ptr(), bt.data_ptr(), bt.stride(0), sl.data_ptr(), out.data_ptr(),
+                             1, 1, 1, d, bs, scale, kv_quant_kernel.CODES["int8"], torch.get_num_threads(), 0)
+    ref = reference_paged_attention(q, kc, vc, meta, scale)
+    k = dequantize(kc.codes, kc.scale, "int8").double()[0, :2, 0]
+    delta = 2.0 ** -22 * 1.0 * k.abs().sum(-1).max() * scale
+    bound = (torch.exp(2 * delta) - 1) * 1000 + KERNEL_TOL
+    assert (out - ref).abs().max() <= bound
 
 
 @pytest.mark.parametrize("kind", KINDS)

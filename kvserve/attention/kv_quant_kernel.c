@@ -482,8 +482,9 @@ static void k_amx_configure_int8(int G) {
 /* The queries as integers in three signed base-256 digits, for tdpbssd against int8 key codes.
  * Query row r (= h·G + g): with max|q_r| = f·2^e (f in [0.5, 1)) and E = max(e - 22, -126),
  * i = round(q · 2^-E) (the scaling is exact; |i| <= 2^22) = 65536 a + 256 b + c, b and c in [-128, 127],
- * |a| <= 65: q = i · 2^E to within 2^(E - 1) <= max|q_r| · 2^-23, float32's own rounding step (queries
- * below 2^-104 to within 2^-127). qt: per KV head h and 64 dims c, three 1024-byte B tiles (digits a, b,
+ * |a| <= 65: q = i · 2^E to within 2^(E - 1) = 2^(e - 23) <= max|q_r| · 2^-22, twice float32's rounding
+ * step at worst (max|q_r| a power of two; an adversarial review found the 2^-23 once claimed here
+ * exceeded there), queries below 2^-104 to within 2^-127. qt: per KV head h and 64 dims c, three 1024-byte B tiles (digits a, b,
  * c), rows 64 bytes apart: byte 4n + i of row p = the digit of q[(h·G + n)·d + 64c + 4p + i], n < G (the
  * tiles are 4G bytes wide).
  * pat: per KV head 4 vectors, lane l of vector k = 2^E of query (16k + l) mod G, the lanes of the compact C
@@ -588,8 +589,8 @@ static inline __attribute__((always_inline)) void amx_code_scores(const uint8_t 
  * amx_code_scores, then score = C · (k_scale · softmax scale) as k_pass_codes computes it.
  * - integer = 1 (int8 codes, any queries, float32 or bfloat16; d % 64 == 0; qt, pat from
  *   k_amx_queries_int8; tiles as k_amx_configure_int8(G)): the scores differ from k_pass_codes' (float32
- *   products and sums) by the query's rounding to 23 bits, a float32 step: |Δscore| <= 2^-23 · max|q| ·
- *   Σ|code| · k_scale · scale. Why: no code is decoded. SmolLM2's 30 layers, int8 (2 threads,
+ *   products and sums) by the query's rounding to 23 bits: |Δscore| <= 2^-22 · max|q| · Σ|code| ·
+ *   k_scale · scale. Why: no code is decoded. SmolLM2's 30 layers, int8 (2 threads,
  *   interleaved medians, both with the queries laid out once per sequence): 4096 tokens 3.17 → 2.78 ms,
  *   1024 1.30 → 1.21 ms.
  * - integer = 0 (bfloat16 queries; qt from k_amx_queries; tiles as k_amx_configure(G)): the same products
