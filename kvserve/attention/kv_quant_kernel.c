@@ -484,11 +484,11 @@ static void k_amx_configure_int8(int G) {
  * i = round(q · 2^-E) (the scaling is exact; |i| <= 2^22) = 65536 a + 256 b + c, b and c in [-128, 127],
  * |a| <= 65: q = i · 2^E to within 2^(E - 1) = 2^(e - 23) <= max|q_r| · 2^-22, twice float32's rounding
  * step at worst (max|q_r| a power of two; an adversarial review found the 2^-23 once claimed here
- * exceeded there), queries below 2^-104 to within 2^-127. qt: per KV head h and 64 dims c, three 1024-byte B tiles (digits a, b,
- * c), rows 64 bytes apart: byte 4n + i of row p = the digit of q[(h·G + n)·d + 64c + 4p + i], n < G (the
- * tiles are 4G bytes wide).
- * pat: per KV head 4 vectors, lane l of vector k = 2^E of query (16k + l) mod G, the lanes of the compact C
- * store (amx_emit_columns); NaN for a query row with a NaN or an infinite value, so all its scores are
+ * exceeded there), queries below 2^-104 to within 2^-127.
+ * qt: per KV head h and 64 dims c, three 1024-byte B tiles (digits a, b, c), rows 64 bytes apart: byte
+ * 4n + i of row p = the digit of q[(h·G + n)·d + 64c + 4p + i], n < G (the tiles are 4G bytes wide).
+ * pat: per KV head 4 vectors, lane l of vector k = 2^E of query (16k + l) mod G, the lanes of the compact
+ * C store (amx_emit_columns); NaN for a query row with a NaN or an infinite value, so all its scores are
  * NaN (a float dot product gives NaN or ±inf there, and the softmax NaN either way). q: [Hkv·G, d]
  * float32; d % 64 == 0. Vectorized: the scalar version of this, run once per work item, took as long as
  * the key pass it saved. */
