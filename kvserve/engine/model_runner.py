@@ -92,8 +92,8 @@ class ModelRunner:
         decoding = all(s.is_decoding for s in sched.scheduled)
         for m in metas:
             m.all_decoding = decoding
-        as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
-        return as_t(ids), as_t(pos), metas[0], metas[0] if len(metas) == 1 else self.per_layer_metadata(metas)
+        ids_pos = torch.tensor([ids, pos], dtype=torch.int64, device=self.device)  # one copy: [2, T]
+        return ids_pos[0], ids_pos[1], metas[0], metas[0] if len(metas) == 1 else self.per_layer_metadata(metas)
 
     def per_layer_metadata(self, metas: list[AttentionMetadata]) -> list[AttentionMetadata]:
         """Each layer's group metadata, in layer order."""
