@@ -243,7 +243,8 @@ def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias, kv_
     ("bfloat16", "int4", "int8", (1, 15, 16, 17, 33, 70)), ("float32", "int4", "fp8_e4m3", (300, 47)),
     ("bfloat16", "int4", "fp8_e5m2", (1, 17, 33)),
     ("float32", "float32", "auto", (1, 15, 16, 17, 33, 70) * 3), ("float32", "float32", "int8", (300, 47)),
-    ("bfloat16", "int8", "auto", (1, 15, 16, 17, 33, 70))])
+    ("bfloat16", "int8", "auto", (1, 15, 16, 17, 33, 70)),
+    ("bfloat16", "int4", "auto", tuple(range(1, 61)))])  # 60 rows: the int4 GEMM path where the kernel has AMX
 def test_one_call_decode_step_equals_the_flat_loop(dtype, weight_dtype, kv_dtype, lens):
     """kvs_llama_decode (int4 tiles, int8 rows, or dense float32 matrices) against the Python loop of the same
     kernels: identical hidden states for a decode batch of uneven lengths (1 to 70 tokens: one to five

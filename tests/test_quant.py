@@ -179,6 +179,38 @@ def test_int4_one_row_nan_or_inf_input_gives_nan(bad):
     assert torch.isnan(y[0]).all() and torch.isfinite(y[1]).all()
 
 
+@needs_int4_kernel
+@pytest.mark.parametrize("T,K", [(56, 352), (57, 352), (100, 352), (700, 352), (75, 1536)])  # 56: partial 32-row block
+def test_int4_gemm_rows_multiply_by_the_weights_rounded_to_bfloat16(T, K):
+    """From INT4_GEMM_MIN_ROWS rows on AMX, the kernel dequantizes W to bfloat16 tiles itself and holds no
+    copy. Oracle: float64 x·Wᵀ with W = dequantize() rounded to bfloat16 by torch (the copy the dense path
+    multiplied with). Bound: the output's bfloat16 rounding (2⁻⁸ relative) plus K float32 roundings of at
+    most Σ|x·w| (K·2⁻²⁴). The exact int4 weights instead of their bfloat16 rounding (up to 2⁻⁹·|w| each)
+    put some outputs outside it (checked below), so a kernel that skipped or misplaced the rounding, a
+    scale or a zero fails. N = 848: 53 tiles of 16 rows, an odd count (a half-empty last block of 32
+    columns); at K = 1536 a slab holds at most 10 of the 27 blocks: four slabs over two threads."""
+    from kvserve.models.quant import INT4_GEMM_MIN_ROWS
+
+    if not int4_kernel().amx:
+        pytest.skip("the int4 GEMM path needs AMX")
+    assert T >= INT4_GEMM_MIN_ROWS
+    g = torch.Generator().manual_seed(T)
+    N = 848
+    layer = Int4Linear(quantize_int4_minmax(torch.randn(N, K, generator=g) * 0.05), layout="tiles")
+    assert layer.dense is None and layer.dense_min_tokens > 10 ** 9  # no bfloat16 copy
+    x = torch.randn(T, K, generator=g).to(torch.bfloat16)
+    y = layer(x)
+    assert y.shape == (T, N) and y.dtype == torch.bfloat16
+    w = layer.dequantize().to(torch.bfloat16).double()
+    ref = x.double() @ w.T
+    mag = x.double().abs() @ w.abs().T
+    bound = 2.0 ** -8 * ref.abs() + K * 2.0 ** -24 * mag + 1e-30
+    err = (y.double() - ref).abs()
+    assert (err <= bound).all(), float((err / bound).max())
+    exact = x.double() @ layer.dequantize().double().T  # what the unrounded weights give: outside the bound
+    assert ((exact - ref).abs() > bound).float().mean() > 0.01  # (2-3 % of the outputs at K = 1536, 21 % at 352)
+
+
 def test_int4_layout_errors_name_the_field():
     block = quantize_int4_minmax(torch.randn(16, 32))
     with pytest.raises(ValueError, match="layout"):

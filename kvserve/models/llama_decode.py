@@ -74,7 +74,7 @@ class LlamaDecodePlan:
         if len(norm_codes) == 1 and all(m.bias is None for m in mats):
             if all(isinstance(m, Int4Linear) and m.layout == "tiles" for m in mats):
                 self.one_call_kind = 0
-                self.one_call_rows = min(m.dense_min_tokens for m in mats)  # more rows: the dense copy
+                self.one_call_rows = min(m.dense_min_tokens for m in mats)  # more rows: the dense copy (none on AMX)
                 weights = [[m.packed.data_ptr() for m in ms] for ms in linears]
             elif (act == torch.float32 and gemv_kernel() is not None
                   and all(isinstance(m, Linear) and m.weight.dtype == torch.float32 and m.weight.is_contiguous()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,13 +43,17 @@ KERNEL_DTYPE = torch.bfloat16
 # alone: 3.6 ms at 1 row, 10 at 4, 13 at 8, 19 at 12, 25 at 16), while a bf16 GEMM (AMX / AVX512-BF16)
 # stays near its weight-read time (~15-17 ms at 1-16 rows with the copy prepacked in oneDNN's blocked
 # layout, ~23 ms unpacked; 4-10x faster than int4 at 256+ rows). The copy is prepacked when oneDNN has
-# bf16 here (the crossover is then ~12 rows), else plain. Where kvserve's int4 kernel has AMX (one tile
-# product per 16 rows and 32 inputs), int4 stays ahead up to INT4_AMX_DENSE_MIN_TOKENS rows (30 layers:
-# 4.2 ms at 4 rows, 6.9 at 16, 12.8 at 32, 17.5 at 48, 22.2 at 64 vs the copy's 15.1 / 15.4 / 18.2 /
-# 19.3 / 21.6).
+# bf16 here (the crossover is then ~12 rows), else plain.
 MKLDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 DENSE_MIN_TOKENS = 12 if MKLDNN_BF16 else 32
-INT4_AMX_DENSE_MIN_TOKENS = 56
+# Where kvserve's int4 kernel has AMX there is no copy: up to INT4_GEMM_MIN_ROWS - 1 rows one tile
+# product per 16 rows and group of 32 inputs, on the exact weights (30 layers: 4.2 ms at 4 rows, 6.9 at
+# 16, 12.8 at 32, 17.5 at 48, against the copy's 15.1 / 15.4 / 18.2 / 19.3); from INT4_GEMM_MIN_ROWS
+# rows the kernel dequantizes each call's weights to bfloat16 tiles once and runs a GEMM on them
+# (int4_gemm_amx in int4_gemm.c: the copy's weights bit for bit, at oneDNN's speed on the copy), so an
+# int4 model holds its int4 weights alone (the copy was 2 bytes per weight: SmolLM2's 270 MB beside
+# 85 MB of int4). Must equal int4_gemm.c's INT4_GEMM_MIN_ROWS.
+INT4_GEMM_MIN_ROWS = 56
 
 
 @dataclass(slots=True)
@@ -214,7 +219,9 @@ class Int4Linear(PackedLinear):
     else ``torch._weight_int4pack_mm_for_cpu`` on its own packing (``layout == "torch"``). The tile
     kernel multiplies bfloat16 x, except up to 7 rows (decode steps of small batches) on a CPU with
     AVX512-VNNI: each row is quantized to int8 per group of 32 inputs (scale max|x| / 127, as llama.cpp's
-    Q8_1) and multiplied in integers (error ≤ scale / 2 per input; see int4_gemm.c)."""
+    Q8_1) and multiplied in integers (error ≤ scale / 2 per input; see int4_gemm.c). Where the kernel has
+    AMX it takes every row count and the layer holds no bfloat16 copy: from ``INT4_GEMM_MIN_ROWS`` rows it
+    multiplies by the weights rounded to bfloat16 (the copy's weights) in an AMX GEMM."""
 
     def __init__(self, block: BlockQuant, bias: torch.Tensor | None = None, dense_prefill: bool = True,
                  layout: str | None = None):
@@ -231,8 +238,9 @@ class Int4Linear(PackedLinear):
             raise ValueError("layout='tiles' needs kvserve's int4 kernel (AVX512-BF16 CPU and a C compiler)")
         if self.layout == "tiles":
             self.register_buffer("packed", pack_int4_tiles(block.codes, scale.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)))
-            if int4_kernel().amx:
-                self.dense_min_tokens = INT4_AMX_DENSE_MIN_TOKENS
+            if int4_kernel().amx:  # every row count on the kernel, no bfloat16 copy (see INT4_GEMM_MIN_ROWS)
+                self.dense_min_tokens = sys.maxsize
+                dense_prefill = False
         else:
             codes = torch.from_numpy(np.ascontiguousarray(block.codes)).to(torch.int32)
             self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))  # [N, K/2] uint8
