@@ -23,9 +23,8 @@ def decode_path(request, monkeypatch):
 
 
 def _run(num_heads, num_kv_heads, context_lens, query_lens, block_size=4, head_dim=8, seed=0,
-         dtype=torch.float32):
+         dtype=torch.float32, num_blocks=64):
     g = torch.Generator().manual_seed(seed)
-    num_blocks = 64
     kc = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     vc = torch.zeros_like(kc)
     tables = scattered_tables(torch.randperm(num_blocks, generator=g).tolist(), context_lens, query_lens, block_size)
@@ -54,6 +53,21 @@ def _run(num_heads, num_kv_heads, context_lens, query_lens, block_size=4, head_d
 def test_fast_matches_reference(heads, case, decode_path):
     fast, ref = _run(*heads, *case)
     assert torch.allclose(fast, ref, atol=TOL, rtol=0), (fast - ref).abs().max()
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (6, 1)], ids=["GQA", "MHA", "MQA"])
+@pytest.mark.parametrize("context,query", [(1, 512), (700, 600), (37, 1000)])
+def test_long_chunk_after_context_in_two_mask_free_calls(heads, context, query):
+    """From SPLIT_MIN_QUERIES queries after earlier context, prefill attends to the context and to its own
+    causal block in two flash-attention calls merged by their log-sum-exps: against the float64-softmax
+    reference, and with a decode and a short chunk in the same step (which keep the other paths)."""
+    from kvserve.attention import paged
+
+    assert query >= paged.SPLIT_MIN_QUERIES and paged._FLASH_CPU is not None
+    fast, ref = _run(*heads, [5, context, 9], [1, query, 3], block_size=16, head_dim=32, num_blocks=128)
+    assert torch.allclose(fast, ref, atol=TOL, rtol=0), (fast - ref).abs().max()
+    fast, ref = _run(*heads, [context], [query], block_size=16, head_dim=32, dtype=torch.bfloat16, num_blocks=128)
+    assert (fast.float() - ref.float()).abs().max() <= 2 * 2.0 ** -8 * ref.float().abs().max() + 1e-3
 
 
 def test_decode_single_sequence_exact_block_multiple(decode_path):

@@ -84,12 +84,42 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wi
     qg, kg, vg = _same_dtype(qg, kg, vg)
     if S == L and (not window or L <= window):
         o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)
+    elif not window and L >= SPLIT_MIN_QUERIES and q.device.type == "cpu" and _FLASH_CPU is not None:
+        o = _context_then_causal(qg, kg, vg, S - L, scale)
     else:
         kpos = torch.arange(S, device=q.device)[None, :]
         qpos = (S - L + torch.arange(L, device=q.device))[:, None]
         mask = (kpos <= qpos) & (kpos > qpos - window) if window else kpos <= qpos
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
     return o.to(q.dtype).permute(2, 0, 1, 3).reshape(L, H, d)  # [L, Hkv, G, d] -> [L, H, d]
+
+
+# From this many queries after earlier context (a later prefill chunk, or a prompt after a prefix-cache
+# hit), _prefill attends in two mask-free calls (_context_then_causal) instead of one with an [L, S] mask:
+# PyTorch's CPU flash attention computes every masked-out pair and converts the boolean mask to a float
+# one per call. SmolLM2's layer (9 heads, bf16), 2048 queries after 2048 cached keys: 75 -> 45 ms; 512
+# after 2048: 7.4 -> 5.9 ms; 256 after 768: even (1.6 vs 1.7 ms).
+SPLIT_MIN_QUERIES = 512
+try:  # the flash op behind F.scaled_dot_product_attention on the CPU: it also returns the log-sum-exps
+    _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+except (AttributeError, RuntimeError):
+    _FLASH_CPU = None
+
+
+def _context_then_causal(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, c: int, scale: float) -> torch.Tensor:
+    """Causal attention of L queries whose own keys are the last L of kg/vg's S, after c = S − L keys of
+    context. qg: [Hkv, G, L, d]; kg, vg: [Hkv, G, S, d]. Returns float32 [Hkv, G, L, d].
+
+    The context keys are all visible to every query and the last L form a square causal block, so two
+    flash-attention calls with no mask give each part's output o_i and log-sum-exp l_i (natural log of the
+    sum of e^score), and the softmax over all keys is their merge (the online-softmax identity of
+    Milakov & Gimelshein, arXiv:1805.02867): o = (e^(l1 − m)·o1 + e^(l2 − m)·o2) / (e^(l1 − m) + e^(l2 − m)),
+    m = max(l1, l2). Each part's output is rounded to the input dtype before the merge."""
+    o1, l1 = _FLASH_CPU(qg, kg[:, :, :c], vg[:, :, :c], 0.0, False, attn_mask=None, scale=scale)[:2]
+    o2, l2 = _FLASH_CPU(qg, kg[:, :, c:], vg[:, :, c:], 0.0, True, attn_mask=None, scale=scale)[:2]
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]  # [Hkv, G, L, 1]
+    return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
 
 
 def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
