@@ -417,8 +417,9 @@ static void int4_gemm_amx(const uint16_t *x, int64_t M, int K, const uint16_t *w
                     const int64_t o = (m0 + r) * N + n0;
                     if (out_code == 3) memcpy((float *)y + o, c + 32 * r, sizeof(float) * cols);
                     else if (cols == 32)
-                        _mm512_storeu_si512((uint16_t *)y + o, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(c + 32 * r + 16),
-                                                                                         _mm512_load_ps(c + 32 * r)));
+                        _mm512_storeu_si512((uint16_t *)y + o,
+                                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(c + 32 * r + 16),
+                                                                         _mm512_load_ps(c + 32 * r)));
                     else
                         _mm256_storeu_si256((__m256i *)((uint16_t *)y + o),
                                             (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + 32 * r)));

@@ -72,7 +72,9 @@ class AttentionMetadata:
         # one host-to-tensor copy, four views: torch.tensor costs ~5 µs a call even for one int, and
         # several times that on a decode step, whose weights and KV bytes have just evicted the caches
         flat = torch.tensor(slots + [i for t in padded for i in t] + seq_lens + qsl, dtype=torch.int64, device=device)
-        a, b, c = len(slots), len(slots) + len(padded) * max_blocks, len(slots) + len(padded) * max_blocks + len(seq_lens)
+        a = len(slots)  # flat = slots | tables | seq_lens | query_start_loc
+        b = a + len(padded) * max_blocks
+        c = b + len(seq_lens)
         meta = cls(slot_mapping=flat[:a], block_tables=flat[a:b].view(len(padded), max_blocks),
                    seq_lens=flat[b:c], query_start_loc=flat[c:], seq_lens_list=seq_lens,
                    query_lens_list=list(query_lens), num_decodes=num_decodes, block_size=block_size,
