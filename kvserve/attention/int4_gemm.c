@@ -370,8 +370,9 @@ static inline __attribute__((always_inline)) void gemm_32x32(const uint16_t *x, 
 /* y [M, N] = x [M, K] · Wᵀ as described above, run by every thread of the team: each takes slabs of
  * 32-column blocks (the last block of an odd tile count has a zero second half; as many slabs for each
  * thread, each at most INT4_GEMM_SLAB_BYTES), dequantizes them into its own buffer, and runs every 32 rows
- * of x (in L1) past the slab's blocks (in L2). The last M % 32 rows go through a zero-padded copy. Per
- * 32-row block, each of M / 32 passes reads x's rows once. No barrier at the end. */
+ * of x (in L1) past the slab's blocks (in L2): each slab reads all of x once. The last M % 32 rows go
+ * through a zero-padded copy. Outputs: float32 (out_code 3) or bfloat16 rounded to nearest even by
+ * vcvtne2ps2bf16 (a subnormal result flushes to zero). No barrier at the end. */
 static void int4_gemm_amx(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code) {
     const int G = K / 32, tiles = N / 16, blocks = (tiles + 1) / 2;
     const int nt = omp_get_num_threads();
