@@ -70,6 +70,25 @@ def test_long_chunk_after_context_in_two_mask_free_calls(heads, context, query):
     assert (fast.float() - ref.float()).abs().max() <= 2 * 2.0 ** -8 * ref.float().abs().max() + 1e-3
 
 
+def test_long_chunk_whose_context_scores_are_all_vanishing():
+    """Every context score of every query is ~-4e38 (finite keys of -3e38: in float32 the dot products
+    overflow to -inf). The flash op returns log-sum-exp 0 and output 0 for such a part, not -inf, so the
+    two-call merge would halve the outputs: the masked call must run. Oracle: float64 softmax attention."""
+    from kvserve.attention import paged
+
+    g = torch.Generator().manual_seed(0)
+    L, c, d = paged.SPLIT_MIN_QUERIES, 4, 8
+    q = torch.randn(L, 1, d, generator=g)
+    k, v = torch.randn(c + L, 1, d, generator=g), torch.randn(c + L, 1, d, generator=g)
+    q[..., 0] = 4.0
+    k[:c, :, 0] = -3e38
+    out = paged._prefill(q, k, v, d ** -0.5)
+    scores = (q[:, 0].double() @ k[:, 0].double().T) * d ** -0.5  # [L, c + L], finite in float64
+    scores = scores.masked_fill(torch.arange(c + L)[None, :] > c + torch.arange(L)[:, None], float("-inf"))
+    ref = torch.softmax(scores, -1) @ v[:, 0].double()
+    assert (out[:, 0].double() - ref).abs().max() < 1e-5
+
+
 def test_decode_single_sequence_exact_block_multiple(decode_path):
     fast, ref = _run(8, 2, [15], [1])  # seq_len 16 = 4 full blocks, no padding mask
     assert torch.allclose(fast, ref, atol=TOL, rtol=0)

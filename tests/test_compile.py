@@ -32,3 +32,20 @@ def test_compiled_layers_with_packed_weights_prefill_through_the_dense_copy():
     for e, c in zip(eager, compiled):
         assert len(c.outputs[0].token_ids) == 3
         assert e.outputs[0].token_ids[0] == c.outputs[0].token_ids[0]
+
+
+@pytest.mark.slow
+def test_compiled_layers_prefill_a_long_chunk_after_context():
+    """A prefill chunk of SPLIT_MIN_QUERIES or more tokens after earlier context: eager code attends in two
+    mask-free calls of the CPU flash op, which Inductor cannot lower (it raised a LoweringException), so
+    compiled layers take the masked call. Tokens and logprobs as eager's."""
+    from kvserve.attention.paged import SPLIT_MIN_QUERIES
+
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=1)
+    prompt = [(i * 7919) % 40000 + 100 for i in range(2 * SPLIT_MIN_QUERIES + 76)]  # chunks 512, 512, 76
+    kw = dict(max_num_batched_tokens=SPLIT_MIN_QUERIES, max_model_len=2048, enable_prefix_caching=False)
+    eager = tiny_llm(**kw).generate([prompt], params)[0].outputs[0]
+    compiled = tiny_llm(compile=True, **kw).generate([prompt], params)[0].outputs[0]
+    assert eager.token_ids == compiled.token_ids
+    for le, lc in zip(eager.logprobs, compiled.logprobs):
+        assert abs(le.logprob - lc.logprob) < 1e-4

@@ -84,7 +84,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wi
     qg, kg, vg = _same_dtype(qg, kg, vg)
     if S == L and (not window or L <= window):
         o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)
-    elif not window and L >= SPLIT_MIN_QUERIES and q.device.type == "cpu" and _FLASH_CPU is not None:
+    elif (not window and L >= SPLIT_MIN_QUERIES and q.device.type == "cpu" and _FLASH_CPU is not None
+          and not torch.compiler.is_compiling() and _scores_stay_finite(q, k, scale)):
         o = _context_then_causal(qg, kg, vg, S - L, scale)
     else:
         kpos = torch.arange(S, device=q.device)[None, :]
@@ -106,6 +107,14 @@ except (AttributeError, RuntimeError):
     _FLASH_CPU = None
 
 
+def _scores_stay_finite(q: torch.Tensor, k: torch.Tensor, scale: float) -> bool:
+    """No score q·k·scale can reach ±inf (nor is any input NaN or inf): d·max|q|·max|k|·scale < 2^120.
+    The split needs it: for a query whose every context score is -inf, the flash op returns log-sum-exp
+    0 and output 0, not -inf, and the merge would weigh that part in. Otherwise the masked call runs."""
+    bound = q.shape[-1] * q.abs().amax().float() * k.abs().amax().float() * scale
+    return bool(bound < 2.0 ** 120)  # False for NaN too
+
+
 def _context_then_causal(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, c: int, scale: float) -> torch.Tensor:
     """Causal attention of L queries whose own keys are the last L of kg/vg's S, after c = S − L keys of
     context. qg: [Hkv, G, L, d]; kg, vg: [Hkv, G, S, d]. Returns float32 [Hkv, G, L, d].
@@ -114,7 +123,9 @@ def _context_then_causal(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, c
     flash-attention calls with no mask give each part's output o_i and log-sum-exp l_i (natural log of the
     sum of e^score), and the softmax over all keys is their merge (the online-softmax identity of
     Milakov & Gimelshein, arXiv:1805.02867): o = (e^(l1 − m)·o1 + e^(l2 − m)·o2) / (e^(l1 − m) + e^(l2 − m)),
-    m = max(l1, l2). Each part's output is rounded to the input dtype before the merge."""
+    m = max(l1, l2). Each part's output is rounded to the input dtype before the merge. Needs every
+    score finite (:func:`_scores_stay_finite`); Inductor cannot lower the op, so compiled code takes the
+    masked call."""
     o1, l1 = _FLASH_CPU(qg, kg[:, :, :c], vg[:, :, :c], 0.0, False, attn_mask=None, scale=scale)[:2]
     o2, l2 = _FLASH_CPU(qg, kg[:, :, c:], vg[:, :, c:], 0.0, True, attn_mask=None, scale=scale)[:2]
     m = torch.maximum(l1, l2)
