@@ -57,17 +57,125 @@ def test_fast_matches_reference(heads, case, decode_path):
 
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (6, 1)], ids=["GQA", "MHA", "MQA"])
 @pytest.mark.parametrize("context,query", [(1, 512), (700, 600), (37, 1000)])
-def test_long_chunk_after_context_in_two_mask_free_calls(heads, context, query):
+def test_long_chunk_after_context_in_two_mask_free_calls(heads, context, query, monkeypatch):
     """From SPLIT_MIN_QUERIES queries after earlier context, prefill attends to the context and to its own
     causal block in two flash-attention calls merged by their log-sum-exps: against the float64-softmax
     reference, and with a decode and a short chunk in the same step (which keep the other paths)."""
     from kvserve.attention import paged
 
     assert query >= paged.SPLIT_MIN_QUERIES and paged._FLASH_CPU is not None
+    monkeypatch.setattr(paged, "_prefill_kernel", lambda *a: None)  # bfloat16 would take the AMX kernel
     fast, ref = _run(*heads, [5, context, 9], [1, query, 3], block_size=16, head_dim=32, num_blocks=128)
     assert torch.allclose(fast, ref, atol=TOL, rtol=0), (fast - ref).abs().max()
     fast, ref = _run(*heads, [context], [query], block_size=16, head_dim=32, dtype=torch.bfloat16, num_blocks=128)
     assert (fast.float() - ref.float()).abs().max() <= 2 * 2.0 ** -8 * ref.float().abs().max() + 1e-3
+
+
+def _amx_prefill_kernel():
+    from kvserve.attention import kv_quant_kernel
+
+    dll = kv_quant_kernel.load()
+    if dll is None or not dll.prefill_attention_supported(64):
+        pytest.skip("no AMX prefill attention here (needs a C compiler, AMX-BF16 and Linux's tile grant)")
+    return dll
+
+
+def _causal_reference(q, k, v, scale):
+    """float64 softmax attention; query i at key position S - L + i, keys repeated per query head"""
+    L, H, d = q.shape
+    S, Hkv = k.shape[0], k.shape[1]
+    kd, vd = (t.double().repeat_interleave(H // Hkv, 1) for t in (k, v))
+    s = torch.einsum("lhd,shd->hls", q.double(), kd) * scale
+    s = s.masked_fill(torch.arange(S)[None, :] > (S - L + torch.arange(L))[:, None], float("-inf"))
+    return torch.einsum("hls,shd->lhd", s.softmax(-1), vd)
+
+
+def _sdpa_prefill(q, k, v, scale):
+    """PyTorch's SDPA on the same bfloat16 inputs (the peer whose error sets the bound)"""
+    from kvserve.attention import paged
+
+    orig = paged._prefill_kernel
+    paged._prefill_kernel = lambda *a: None
+    try:
+        return paged._prefill(q, k, v, scale)
+    finally:
+        paged._prefill_kernel = orig
+
+
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (6, 1)], ids=["GQA", "MHA", "MQA"])
+@pytest.mark.parametrize("L,S,d", [(1, 1, 64), (7, 7, 64), (16, 16, 32), (33, 100, 64), (300, 300, 32),
+                                   (200, 1030, 64), (5, 700, 64)])
+def test_amx_prefill_attention_matches_float64_softmax(heads, L, S, d):
+    """The AMX prefill kernel (bfloat16, heads of 32/64) against float64 softmax attention, query blocks of
+    16 and key blocks of 32 cut anywhere (L, S, S − L not multiples of either), q a strided view of a
+    fused QKV row. Bound: P is rounded to bfloat16 before P·V (2^-9 relative, as in PyTorch's kernel) and
+    so is the output (2^-9), so |out − ref| <= 2^-8·max|v| (+ 2^-12 for float32 sums); PyTorch SDPA on
+    the same inputs must meet it too."""
+    from kvserve.attention import paged
+
+    _amx_prefill_kernel()
+    H, Hkv = heads
+    g = torch.Generator().manual_seed(L * 1000 + S)
+    qkv = torch.randn(L, (H + 2 * Hkv) * d, generator=g).bfloat16()
+    q = qkv[:, :H * d].view(L, H, d)  # token rows (H + 2·Hkv)·d apart
+    k, v = (torch.randn(S, Hkv, d, generator=g).bfloat16() for _ in range(2))
+    assert paged._prefill_kernel(q, k, v, d ** -0.5) is not None
+    ref = _causal_reference(q, k, v, d ** -0.5)
+    out = paged._prefill(q, k, v, d ** -0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == (L, H, d)
+    bound = 2.0 ** -8 * v.float().abs().max().item() + 2.0 ** -12
+    assert (out.double() - ref).abs().max().item() <= bound
+    assert (_sdpa_prefill(q, k, v, d ** -0.5).double() - ref).abs().max().item() <= bound
+
+
+def test_amx_prefill_attention_rescales_as_the_maximum_grows():
+    """Keys that grow along the sequence push every query's running maximum up block after block, past
+    the kernel's headroom, so its outputs and row sums must be rescaled many times (without the rescale
+    the error is of the order of the outputs). Oracle: float64 softmax, bound as above: a query whose
+    softmax is one key's shows the P rounding in full (its p is 2^-8·2^f, not 1 as in PyTorch's kernel)."""
+    _amx_prefill_kernel()
+    from kvserve.attention import paged
+
+    g = torch.Generator().manual_seed(1)
+    L, S, d = 64, 640, 64
+    q = torch.randn(L, 2, d, generator=g).abs().bfloat16()
+    k = (torch.randn(S, 1, d, generator=g).abs() * torch.linspace(0.05, 3.0, S)[:, None, None]).bfloat16()
+    v = torch.randn(S, 1, d, generator=g).bfloat16()
+    ref = _causal_reference(q, k, v, 0.5)
+    bound = 2.0 ** -8 * v.float().abs().max().item() + 2.0 ** -12
+    assert (paged._prefill(q, k, v, 0.5).double() - ref).abs().max().item() <= bound
+
+
+def test_amx_prefill_attention_keeps_a_future_nan_key_from_earlier_queries():
+    """A NaN in the key of token j reaches queries at j and after (NaN outputs) and no query before it,
+    also inside the query's own key block (masked scores are replaced, not added to)."""
+    _amx_prefill_kernel()
+    from kvserve.attention import paged
+
+    g = torch.Generator().manual_seed(2)
+    L, S, d, j = 40, 40, 64, 21
+    q, k, v = (torch.randn(S, 3, d, generator=g).bfloat16() for _ in range(3))
+    k[j, 1, 5] = float("nan")
+    out = paged._prefill(q[:, :3].repeat(1, 3, 1)[:, :9], k, v, d ** -0.5)  # 9 query heads, KV head 1 = heads 3-5
+    nan_rows = out[:, 3:6].isnan().any(-1).any(-1)
+    assert nan_rows.tolist() == [i >= j for i in range(L)]
+    assert not out[:, :3].isnan().any() and not out[:, 6:].isnan().any()
+
+
+def test_prefill_kernel_is_only_taken_where_it_applies():
+    """float32, a window, other head dims, scale <= 0, autograd and non-contiguous heads keep SDPA."""
+    _amx_prefill_kernel()
+    from kvserve.attention import paged
+
+    q, k = torch.randn(8, 4, 64).bfloat16(), torch.randn(8, 2, 64).bfloat16()
+    assert paged._prefill_kernel(q, k, k, 0.125) is not None
+    assert paged._prefill_kernel(q.float(), k.float(), k.float(), 0.125) is None
+    assert paged._prefill_kernel(q[..., :48], k[..., :48], k[..., :48], 0.125) is None
+    assert paged._prefill_kernel(torch.randn(8, 4, 128).bfloat16(), torch.randn(8, 2, 128).bfloat16(),
+                                 torch.randn(8, 2, 128).bfloat16(), 0.125) is None
+    assert paged._prefill_kernel(q, k, k, 0.0) is None
+    assert paged._prefill_kernel(q.requires_grad_(), k, k, 0.125) is None
+    assert paged._prefill_kernel(q.detach().transpose(1, 2).contiguous().transpose(1, 2), k, k, 0.125) is None
 
 
 def test_long_chunk_whose_context_scores_are_all_vanishing():

@@ -220,23 +220,8 @@ static inline __attribute__((always_inline)) void v_pass(
 #include <immintrin.h>
 #define HAVE_K_PASS_CODES 1
 
-/* lane t of the result = the sum of the 16 lanes of v[t] (a transpose-and-add tree: 46 shuffles and adds
- * where 16 separate horizontal sums take ~130). */
-static inline __m512 transpose_sum16(const __m512 *v) {
-    __m512 w[8], x[4];
-    for (int k = 0; k < 8; k++)  /* w[k]: 128-bit lanes 0-1 partial sums of v[2k], lanes 2-3 of v[2k+1] */
-        w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
-    for (int k = 0; k < 4; k++)  /* x[k]: 128-bit lane L holds 4 partial sums of v[4k + L] */
-        x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88),
-                             _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xDD));
-    const __m512 y0 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
-    const __m512 y1 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
-    const __m512d a = _mm512_castps_pd(y0), b = _mm512_castps_pd(y1);
-    /* z lane 4L + m = sum of v[4m + L] */
-    const __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
-}
+/* lane t of the result = the sum of the 16 lanes of v[t] (kernel_math.h) */
+static inline __m512 transpose_sum16(const __m512 *v) { return transpose_reduce16(v, 0); }
 
 /* The scores against a 1-byte key cache (int8 / fp8 codes, one scale per token and KV head) for float32
  * queries: a block's 16-row group of one head is converted once into an L1 scratch, then each query row

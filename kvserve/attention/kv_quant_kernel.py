@@ -3,7 +3,8 @@ decode kernel (``kv_quant_kernel.c``), the per-layer glue of a step (``layer_ker
 :mod:`kvserve.models.fused_ops`), the int4 weight matmul (``int4_gemm.c``, used by
 :class:`kvserve.models.quant.Int4Linear` where the CPU has AVX512-BF16) and the float32 and int8
 matrix-vector products of decode steps (``dense_gemv.c``, used by :class:`kvserve.models.linear.Linear`
-and :class:`kvserve.models.quant.Int8Linear` where the CPU has AVX-512).
+and :class:`kvserve.models.quant.Int8Linear` where the CPU has AVX-512) and the causal prefill attention on
+AMX tiles (``prefill_attention.c``, used by :mod:`kvserve.attention.paged` for bfloat16 heads of 32 or 64).
 
 Built with the system C compiler (``cc -O3 -march=native -fopenmp``) into ``~/.cache/kvserve`` under a
 name that hashes the source and flags (a new build deletes other versions' builds unused for 7 days),
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-_SRCS = [Path(__file__).with_name(n) for n in ("kv_quant_kernel.c", "layer_kernel.c", "int4_gemm.c", "dense_gemv.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("kv_quant_kernel.c", "layer_kernel.c", "int4_gemm.c", "dense_gemv.c",
+                                                "prefill_attention.c")]
 # no -ffast-math: with GCC < 13 it would set flush-to-zero for the whole process when the library loads
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
           "-fno-signed-zeros", "-fassociative-math"]
@@ -77,12 +79,17 @@ def load() -> ctypes.CDLL | None:
     dll.kvs_int4_supported.argtypes = []
     dll.kvs_int4_supported.restype = i32
     dll.kvs_int4_amx_enable.argtypes = []
+    dll.kvs_prefill_attention.argtypes = [p, i64, p, i64, p, i64, p, i64, i64, i32, i32, i32, f32, i32]
+    dll.kvs_prefill_attention_supported.argtypes = [i32]
+    dll.kvs_prefill_attention_supported.restype = i32
     dll.kvq_key_pass.argtypes = [i32, i32, i32, i32, i32]
     dll.kvq_key_pass.restype = i32
     dll.kvs_int4_amx_enable.restype = i32
     dll.amx = bool(dll.kvs_int4_amx_enable())  # AMX tile state granted: int4 steps of >= 4 rows use it
+    dll.prefill_attention_supported = functools.cache(lambda d: bool(dll.kvs_prefill_attention_supported(d)))
     for f in (dll.kvs_rope_write_kv, dll.kvs_add_rms_norm, dll.kvs_silu_mul, dll.kvs_decode_attention,
-              dll.kvs_int4_linear, dll.kvs_llama_decode, dll.kvs_dense_linear, dll.kvs_argmax_rows):
+              dll.kvs_int4_linear, dll.kvs_llama_decode, dll.kvs_dense_linear, dll.kvs_argmax_rows,
+              dll.kvs_prefill_attention):
         f.restype = None
     return dll
 
@@ -162,6 +169,28 @@ def act_decode_attention(dll: ctypes.CDLL, q: torch.Tensor, key_cache: torch.Ten
 
 
 _KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+@torch.compiler.disable
+def prefill_attention(dll: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of one sequence's L queries over its S keys, the last L of them the queries' own
+    (query i sees keys 0 .. S − L + i), on AMX tiles (``prefill_attention.c``).
+
+    q: [L, H, d] bfloat16; k, v: [S, Hkv, d] bfloat16 (S >= L >= 1, H a multiple of Hkv; query head
+    h·G + g reads KV head h), token rows at any stride, each head's d elements contiguous; d where
+    ``dll.prefill_attention_supported(d)`` (32, 64); scale > 0. Returns [L, H, d] bfloat16.
+    Float32 scores and softmax, P rounded to bfloat16 for P·V, as PyTorch's CPU flash attention
+    (tested against a float64 reference with its error as the bound)."""
+    L, H, d = q.shape
+    S, Hkv = k.shape[0], k.shape[1]
+    if not (1 <= L <= S and H % Hkv == 0 and v.shape == k.shape and k.shape[2] == d):
+        raise ValueError(f"prefill_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                         "must be [L, H, d], [S, Hkv, d], [S, Hkv, d] with 1 <= L <= S and H % Hkv == 0")
+    out = torch.empty(L, H, d, dtype=torch.bfloat16)
+    dll.kvs_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                              out.data_ptr(), L, S, H, Hkv, d, scale, torch.get_num_threads())
+    return out
 
 
 @torch.compiler.disable

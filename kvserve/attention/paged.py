@@ -74,7 +74,11 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tor
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """q: [L, H, d]; k, v: [S, Hkv, d] with S >= L (the last L keys are the queries' own). ``window`` > 0:
-    query i (at key index S - L + i) sees only the ``window`` keys ending at its own."""
+    query i (at key index S - L + i) sees only the ``window`` keys ending at its own. Without a window,
+    bfloat16 inputs take the AMX kernel where :func:`_prefill_kernel` allows, else PyTorch's SDPA."""
+    dll = None if window else _prefill_kernel(q, k, v, scale)
+    if dll is not None:
+        return kv_quant_kernel.prefill_attention(dll, q, k, v, scale)
     L, H, d = q.shape
     S, Hkv = k.shape[0], k.shape[1]
     G = H // Hkv
@@ -93,6 +97,22 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wi
         mask = (kpos <= qpos) & (kpos > qpos - window) if window else kpos <= qpos
         o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
     return o.to(q.dtype).permute(2, 0, 1, 3).reshape(L, H, d)  # [L, Hkv, G, d] -> [L, H, d]
+
+
+def _prefill_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """The C library when its AMX prefill attention (``prefill_attention.c``) takes these inputs, else None:
+    CPU, eager (not traced by torch.compile), no autograd, bfloat16 q/k/v with each head's ``head_dim``
+    elements contiguous, a head_dim the kernel supports (32 or 64), where the CPU and Linux grant AMX.
+    SmolLM2's layer (9 heads, 2 threads): 2048 causal queries 14 → 6.2 ms, 2048 after 2048 cached keys
+    39 → 18 ms, 256 causal 0.56 → 0.19 ms, against the flash-attention paths below."""
+    if (q.device.type != "cpu" or torch.compiler.is_compiling() or q.requires_grad or not scale > 0
+            or not q.dtype == k.dtype == v.dtype == torch.bfloat16):
+        return None
+    d = q.shape[-1]
+    if any(t.stride(-1) != 1 or t.stride(-2) != d for t in (q, k, v)):
+        return None
+    dll = kv_quant_kernel.load()
+    return dll if dll is not None and dll.prefill_attention_supported(d) else None
 
 
 # From this many queries after earlier context (a later prefill chunk, or a prompt after a prefix-cache

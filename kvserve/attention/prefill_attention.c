@@ -1,0 +1,290 @@
+/* Causal prefill attention on AMX tiles: L queries of one sequence over its S keys, the last L of which
+ * are the queries' own (query i sits at key position S − L + i and sees keys 0 .. S − L + i).
+ *
+ * Why: PyTorch's CPU flash attention (the path F.scaled_dot_product_attention takes) runs at ~0.24 TFLOPS
+ * here, and at 4096 prompt tokens SmolLM2's prefill attention was ~2 of its ~3.5 s of TTFT. A tile
+ * product (tdpbf16ps) does 16 × 16 × 32 multiply-adds; here one block of 16 queries × 32 keys of one
+ * head costs 8 of them (4 for the scores, 4 for P·V at d = 64) plus the softmax in AVX-512.
+ *
+ * Per (query head, block of 16 queries), over blocks of 32 keys (the flash-attention loop of Dao et al.,
+ * arXiv:2205.14135, with the online softmax of Milakov & Gimelshein, arXiv:1805.02867):
+ *   S = Q·Kᵀ (bfloat16 products, float32 sums: two C tiles of 16 × 16) → memory → per row
+ *   p = 2^(S·scale·log2(e) − m) in float32 (exp2_nonpos_ps), the row sums l += Σ p, P rounded to
+ *   bfloat16 (nearest even) → O += P·V in d/16 C tiles that stay in the tile registers over the whole
+ *   key loop.
+ * m is a reference above each row's running maximum (log2 units): when a block's row maximum passes it,
+ * m becomes that maximum + PF_HEADROOM and the row's O and l are multiplied by 2^(m_old − m_new) (O's
+ * tiles go through memory for it). The headroom makes that rare after the first blocks; every p stays
+ * <= 2^-PF_HEADROOM, and a p below 2^-125 of m counts as 2^-125 (of the true maximum, 2^-117 at most).
+ * out = O / l, rounded to bfloat16 (nearest even).
+ *
+ * Rounding is that of PyTorch's CPU flash attention for bfloat16 inputs (float32 scores and softmax, P
+ * rounded to bfloat16 for the P·V product, float32 accumulation), in another summation order; tdpbf16ps
+ * reads a denormal input as zero. Keys after a query's position are set to −inf before the maximum, so
+ * a NaN or inf there never reaches the query; a NaN in the V row of such a key inside the query's last
+ * key block does (0 · NaN in the tile product), as in PyTorch's kernel.
+ *
+ * K and V are first laid out per KV head in the tiles' VNNI pair layout (zero rows past S):
+ *   kp [Hkv][Sp/16][d/32][16 dim pairs][16 keys][2]: B tiles of the scores (k-dim = head dims);
+ *   vp [Hkv][Sp/32][d/16][16 key pairs][16 dims][2]: B tiles of P·V (k-dim = keys);
+ * Sp = S rounded up to 32. The G query heads of a KV head are one work item per query block, so the
+ * laid-out K and V of a head are read from L2 by every item after the first.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernel_math.h"
+
+#define PF_QB 16         /* queries per block: one tile's rows */
+#define PF_KB 32         /* keys per block: two score tiles, one P tile's 32 bf16 columns */
+#ifndef PF_HEADROOM  /* the reference maximum's lead over a row's running maximum, log2 units */
+#define PF_HEADROOM 8.f
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+int kvs_amx_granted(void); /* int4_gemm.c */
+
+/* Head dims the kernel takes: 32 and 64 (O's d/16 C tiles and the other four fit the 8 tile registers) */
+int kvs_prefill_attention_supported(int d) { return kvs_amx_granted() && (d == 32 || d == 64); }
+
+/* Tiles: 0, 1 = S (16 queries × 16 keys each, float32); 2 .. 2 + d/16 − 1 = O (16 queries × 16 dims,
+ * float32); 6 = A (16 queries × 32 bfloat16: Q's dims, or P's keys); 7 = B (16 pairs × 16 × 2 bfloat16) */
+static void pf_configure(void) {
+    amx_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* 2^x for x <= 0 (x = score·log2(e)·scale − m), lanes of `live` only (others 0): 2^round(x) by vscalefps
+ * times a degree-4 polynomial for 2^f, |f| <= 1/2 (a least-squares fit with p(0) = 1, relative error
+ * < 3.1e-6: P is rounded to bfloat16, 2^-9, right after; 2^0 is exactly 1, as e^0 is in PyTorch's
+ * kernel). x is clamped at -125 first, so every result is a normal float (a denormal would cost a
+ * microcode assist) and -inf gives 2^-125 before the mask, not NaN. NaN stays NaN (maxps returns its
+ * second operand for NaN). */
+static inline __m512 exp2_nonpos_ps(__m512 x, __mmask16 live) {
+    const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-125.f), x);
+    const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(xc, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.009600402787327766f), f, _mm512_set1_ps(0.055916935205459595f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24023719131946564f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219696998596f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+/* K's B tiles of 16 keys (kt) × 32 dims (dc) for one KV head: tile[p][n] = the dim pair (32dc + 2p,
+ * 32dc + 2p + 1) of key 16kt + n, one 16-lane gather per p; zero for keys >= S. k: the head's first row,
+ * rows k_row elements apart. */
+static void pack_k(const uint16_t *k, int64_t k_row, int64_t S, int d, int64_t kt, uint16_t *dst) {
+    const int64_t n_live = S - 16 * kt < 16 ? S - 16 * kt : 16;
+    const __mmask16 live = n_live <= 0 ? 0 : (__mmask16)((1u << n_live) - 1u);
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)(k_row / 2)));
+    for (int dc = 0; dc < d / 32; dc++) {
+        const uint16_t *base = k + 16 * kt * k_row + 32 * dc;
+        uint16_t *t = dst + dc * 512;
+        for (int p = 0; p < 16; p++)
+            _mm512_store_si512(t + 32 * p, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, rows,
+                                                                        (const uint32_t *)base + p, 4));
+    }
+}
+
+/* V's B tiles of 32 keys (kb) × 16 dims (c): tile[p][n] = (V[32kb + 2p][16c + n], V[32kb + 2p + 1][16c + n]);
+ * zero for keys >= S. */
+static void pack_v(const uint16_t *v, int64_t v_row, int64_t S, int d, int64_t kb, uint16_t *dst) {
+    for (int c = 0; c < d / 16; c++)
+        for (int p = 0; p < 16; p++) {
+            const int64_t a = 32 * kb + 2 * p;
+            const __m512i lo = a < S ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(v + a * v_row + 16 * c)))
+                                     : _mm512_setzero_si512();
+            const __m512i hi = a + 1 < S
+                ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(v + (a + 1) * v_row + 16 * c)))
+                : _mm512_setzero_si512();
+            _mm512_store_si512(dst + c * 512 + 32 * p, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+}
+
+/* O's tile t (0 .. 3 = tiles 2 .. 5): tile numbers are immediates, hence the switches */
+static inline __attribute__((always_inline)) void o_zero(int t) {
+    switch (t) {
+        case 0: _tile_zero(2); break;
+        case 1: _tile_zero(3); break;
+        case 2: _tile_zero(4); break;
+        default: _tile_zero(5);
+    }
+}
+static inline __attribute__((always_inline)) void o_store(int t, float *p, int64_t stride) {
+    switch (t) {
+        case 0: _tile_stored(2, p, stride); break;
+        case 1: _tile_stored(3, p, stride); break;
+        case 2: _tile_stored(4, p, stride); break;
+        default: _tile_stored(5, p, stride);
+    }
+}
+static inline __attribute__((always_inline)) void o_load(int t, const float *p, int64_t stride) {
+    switch (t) {
+        case 0: _tile_loadd(2, p, stride); break;
+        case 1: _tile_loadd(3, p, stride); break;
+        case 2: _tile_loadd(4, p, stride); break;
+        default: _tile_loadd(5, p, stride);
+    }
+}
+/* O's tile t += A (tile 6) · B (tile 7) */
+static inline __attribute__((always_inline)) void o_dp(int t) {
+    switch (t) {
+        case 0: _tile_dpbf16ps(2, 6, 7); break;
+        case 1: _tile_dpbf16ps(3, 6, 7); break;
+        case 2: _tile_dpbf16ps(4, 6, 7); break;
+        default: _tile_dpbf16ps(5, 6, 7);
+    }
+}
+
+/* One query head's block of 16 queries (rows q0 .. q0 + 15; rows past L were zero-filled by the caller
+ * and are not written): the loop of the module comment. q: the block's first row, rows q_stride bytes
+ * apart; kp, vp: this KV head's tiles; c = S − L; out: [L, H, d] at the head's first element of row q0,
+ * rows o_row elements apart; nr: live rows. */
+static inline __attribute__((always_inline)) void attend_block(
+        const uint16_t *q, int64_t q_stride, const uint16_t *kp, const uint16_t *vp, int64_t c, int64_t q0, int nr,
+        const int d, float scale, uint16_t *out, int64_t o_row) {
+    float sbuf[16 * 32] __attribute__((aligned(64)));
+    uint16_t pbuf[16 * 32] __attribute__((aligned(64)));
+    float obuf[16 * 64] __attribute__((aligned(64)));
+    const int DT = d / 16;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i iota16 = _mm512_add_epi32(iota, _mm512_set1_epi32(16));
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale * 1.44269504088896341f);
+    __m512 mref = ninf, lsum = _mm512_setzero_ps();
+    for (int t = 0; t < DT; t++) o_zero(t);
+    const int64_t last = c + q0 + nr - 1;  /* the last key a live row sees, <= S − 1: blocks past it are not
+                                              * laid out (rows past L see the zeros up to Sp there) */
+    const int64_t nkb = last / PF_KB + 1;
+    for (int64_t kb = 0; kb < nkb; kb++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int dc = 0; dc < d / 32; dc++) {
+            _tile_loadd(6, (const uint8_t *)q + 64 * dc, q_stride);
+            _tile_loadd(7, kp + ((2 * kb) * (d / 32) + dc) * 512, 64);
+            _tile_dpbf16ps(0, 6, 7);
+            _tile_loadd(7, kp + ((2 * kb + 1) * (d / 32) + dc) * 512, 64);
+            _tile_dpbf16ps(1, 6, 7);
+        }
+        _tile_stored(0, sbuf, 128);
+        _tile_stored(1, sbuf + 16, 128);
+        /* a row sees key 32kb + j iff j <= c + q0 + r − 32kb: all 32 for every row when r = 0 does */
+        const int diagonal = c + q0 - PF_KB * kb < PF_KB - 1;
+        __mmask16 m0[16], m1[16];
+        __m512 rm[16];
+        for (int r = 0; r < 16; r++) {
+            const int lim = diagonal ? (int)(c + q0 + r - PF_KB * kb) : PF_KB;
+            m0[r] = _mm512_cmple_epi32_mask(iota, _mm512_set1_epi32(lim));
+            m1[r] = _mm512_cmple_epi32_mask(iota16, _mm512_set1_epi32(lim));
+            rm[r] = _mm512_max_ps(_mm512_mask_mov_ps(ninf, m0[r], _mm512_load_ps(sbuf + 32 * r)),
+                                  _mm512_mask_mov_ps(ninf, m1[r], _mm512_load_ps(sbuf + 32 * r + 16)));
+        }
+        const __m512 bm = _mm512_mul_ps(transpose_reduce16(rm, 1), vscale);  /* scale > 0: the max of S · scale */
+        const __mmask16 grow = _mm512_cmp_ps_mask(bm, mref, _CMP_GT_OQ);
+        if (grow) {
+            const __m512 mnew = _mm512_mask_add_ps(mref, grow, bm, _mm512_set1_ps(PF_HEADROOM));
+            const __m512 alpha = exp2_nonpos_ps(_mm512_sub_ps(mref, mnew), 0xFFFF);  /* 1 for other rows, 0 from -inf */
+            lsum = _mm512_mul_ps(lsum, alpha);
+            if (kb > 0) {  /* O is zero before the first block */
+                for (int t = 0; t < DT; t++) o_store(t, obuf + 16 * t, 4 * d);
+                for (int r = 0; r < 16; r++) {
+                    const __m512 a = _mm512_permutexvar_ps(_mm512_set1_epi32(r), alpha);
+                    for (int t = 0; t < DT; t++)
+                        _mm512_store_ps(obuf + r * d + 16 * t, _mm512_mul_ps(_mm512_load_ps(obuf + r * d + 16 * t), a));
+                }
+                for (int t = 0; t < DT; t++) o_load(t, obuf + 16 * t, 4 * d);
+            }
+            mref = mnew;
+        }
+        for (int r = 0; r < 16; r++) {
+            const __m512 m = _mm512_permutexvar_ps(_mm512_set1_epi32(r), mref);
+            const __m512 p0 = exp2_nonpos_ps(_mm512_fmsub_ps(_mm512_load_ps(sbuf + 32 * r), vscale, m), m0[r]);
+            const __m512 p1 = exp2_nonpos_ps(_mm512_fmsub_ps(_mm512_load_ps(sbuf + 32 * r + 16), vscale, m), m1[r]);
+            rm[r] = _mm512_add_ps(p0, p1);
+            _mm512_store_si512(pbuf + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        lsum = _mm512_add_ps(lsum, transpose_reduce16(rm, 0));
+        _tile_loadd(6, pbuf, 64);
+        for (int t = 0; t < DT; t++) {
+            _tile_loadd(7, vp + (kb * DT + t) * 512, 64);
+            o_dp(t);
+        }
+    }
+    for (int t = 0; t < DT; t++) o_store(t, obuf + 16 * t, 4 * d);
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), lsum);
+    for (int r = 0; r < nr; r++) {
+        const __m512 w = _mm512_permutexvar_ps(_mm512_set1_epi32(r), inv);
+        for (int t = 0; t < DT; t++)
+            ps_store_bf16(out + r * o_row + 16 * t, _mm512_mul_ps(_mm512_load_ps(obuf + r * d + 16 * t), w));
+    }
+}
+
+/* q: [L, H, d] bfloat16, token rows q_row elements apart; k, v: [S, Hkv, d] bfloat16, rows k_row / v_row
+ * apart (each head's d elements contiguous); out: [L, H, d] bfloat16, contiguous. S >= L >= 1; query head
+ * h·G + g (G = H / Hkv) reads KV head h; d = 32 or 64 (kvs_prefill_attention_supported). Work items are
+ * (KV head, query block, query head of the group), the largest query blocks first within a KV head, so
+ * both threads read the same head's laid-out K and V and the last items are the short ones. */
+void kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, int64_t k_row, const uint16_t *v,
+                           int64_t v_row, uint16_t *out, int64_t L, int64_t S, int H, int Hkv, int d, float scale,
+                           int num_threads) {
+    const int G = H / Hkv;
+    const int64_t Sp = (S + PF_KB - 1) / PF_KB * PF_KB, nkt = Sp / 16, nqb = (L + PF_QB - 1) / PF_QB, c = S - L;
+    uint16_t *kp = aligned_alloc(64, sizeof(uint16_t) * (size_t)(Hkv * Sp * d));
+    uint16_t *vp = aligned_alloc(64, sizeof(uint16_t) * (size_t)(Hkv * Sp * d));
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < Hkv * nkt; i++) {
+            const int h = (int)(i / nkt);
+            const int64_t kt = i % nkt;
+            pack_k(k + h * d, k_row, S, d, kt, kp + (h * nkt + kt) * (d / 32) * 512);
+            if (kt % 2 == 0) pack_v(v + h * d, v_row, S, d, kt / 2, vp + (h * (Sp / 32) + kt / 2) * (d / 16) * 512);
+        }
+        pf_configure();
+        uint16_t qtail[PF_QB * 64] __attribute__((aligned(64)));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < Hkv * nqb * G; i++) {
+            const int h = (int)(i / (nqb * G)), g = (int)(i % G);
+            const int64_t qb = nqb - 1 - (i / G) % nqb, q0 = qb * PF_QB;
+            const int head = h * G + g, nr = L - q0 < PF_QB ? (int)(L - q0) : PF_QB;
+            const uint16_t *qh = q + q0 * q_row + (int64_t)head * d;
+            int64_t qs = q_row * 2;
+            if (nr < PF_QB) {  /* the last block: its rows past L read as zeros */
+                memset(qtail, 0, sizeof qtail);
+                for (int r = 0; r < nr; r++) memcpy(qtail + r * d, qh + r * q_row, sizeof(uint16_t) * d);
+                qh = qtail;
+                qs = 2 * d;
+            }
+            const uint16_t *kh = kp + h * nkt * (d / 32) * 512, *vh = vp + h * (Sp / 32) * (d / 16) * 512;
+            uint16_t *o = out + q0 * H * d + (int64_t)head * d;
+            if (d == 64) attend_block(qh, qs, kh, vh, c, q0, nr, 64, scale, o, (int64_t)H * d);
+            else attend_block(qh, qs, kh, vh, c, q0, nr, 32, scale, o, (int64_t)H * d);
+        }
+        _tile_release();
+    }
+    free(kp);
+    free(vp);
+}
+#else
+int kvs_prefill_attention_supported(int d) { (void)d; return 0; }
+void kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, int64_t k_row, const uint16_t *v,
+                           int64_t v_row, uint16_t *out, int64_t L, int64_t S, int H, int Hkv, int d, float scale,
+                           int num_threads) {
+    (void)q; (void)q_row; (void)k; (void)k_row; (void)v; (void)v_row; (void)out; (void)L; (void)S; (void)H;
+    (void)Hkv; (void)d; (void)scale; (void)num_threads;
+}
+#endif
