@@ -138,11 +138,13 @@ def test_20_n_choices(smollm2):
     assert [c.token_ids for c in smollm2.chat(CHAT, sp)[0].outputs] == [c.token_ids for c in smollm2.chat(CHAT, sp)[0].outputs]
 
 
-def test_bf16_prefill_through_the_amx_attention_scores_like_sdpa(smollm2):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_bf16_prefill_through_the_amx_attention_scores_like_sdpa(smollm2, kv_cache_dtype):
     """The bundled model in bfloat16 scores a 1,100-token text prefilled in chunks of 512 (a causal chunk,
     then chunks after context) through the AMX prefill attention: against the float32 model's logprobs
     (the oracle) its mean |Δ logprob| is within 25 % of PyTorch SDPA's on the same bfloat16 model, and
-    the kernel ran on every layer of every chunk."""
+    the kernel ran on every layer of every chunk, also where an int8 cache hands over its context
+    dequantized in float32 (it ran SDPA there before)."""
     from kvserve.attention import kv_quant_kernel, paged
     from kvserve.eval.ppl import window_logprobs
 
@@ -153,7 +155,7 @@ def test_bf16_prefill_through_the_amx_attention_scores_like_sdpa(smollm2):
     ids = [smollm2.tokenizer.encode(text)[:1100]]
     ref = window_logprobs(smollm2, ids)[0]
     bf16 = LLM("smollm2-135m", weight_dtype="bfloat16", dtype="bfloat16", progress=False, max_num_batched_tokens=512,
-               enable_prefix_caching=False)
+               enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     calls, orig = [], kv_quant_kernel.prefill_attention
 
     def spy(*a):

@@ -76,6 +76,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wi
     """q: [L, H, d]; k, v: [S, Hkv, d] with S >= L (the last L keys are the queries' own). ``window`` > 0:
     query i (at key index S - L + i) sees only the ``window`` keys ending at its own. Without a window,
     bfloat16 inputs take the AMX kernel where :func:`_prefill_kernel` allows, else PyTorch's SDPA."""
+    q, k, v = _same_dtype(q, k, v)  # a 1-byte cache's context comes dequantized in float32
     dll = None if window else _prefill_kernel(q, k, v, scale)
     if dll is not None:
         return kv_quant_kernel.prefill_attention(dll, q, k, v, scale)
@@ -85,7 +86,6 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wi
     qg = q.view(L, Hkv, G, d).permute(1, 2, 0, 3)  # [Hkv, G, L, d]
     kg = k.permute(1, 0, 2)[:, None].expand(Hkv, G, S, d)  # stride-0 view: no copy of K
     vg = v.permute(1, 0, 2)[:, None].expand(Hkv, G, S, d)
-    qg, kg, vg = _same_dtype(qg, kg, vg)
     if S == L and (not window or L <= window):
         o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale)
     elif (not window and L >= SPLIT_MIN_QUERIES and q.device.type == "cpu" and _FLASH_CPU is not None
