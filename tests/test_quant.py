@@ -179,6 +179,20 @@ def test_int4_one_row_nan_or_inf_input_gives_nan(bad):
     assert torch.isnan(y[0]).all() and torch.isfinite(y[1]).all()
 
 
+def test_int4_out_features_off_the_16_row_tiles():
+    """40 output rows do not fill the 16-row tiles of either int4 kernel: Int4Linear refuses them with a
+    ValueError that names N, whatever the layout (it was numpy's reshape error for "tiles" and PyTorch's
+    RuntimeError for "torch"), and pack_int4_tiles names N and K."""
+    from kvserve.models.quant import pack_int4_tiles
+
+    block = quantize_int4_minmax(torch.randn(40, 64, generator=torch.Generator().manual_seed(3)))
+    for layout in (None, "tiles", "torch"):
+        with pytest.raises(ValueError, match="N=40"):
+            Int4Linear(block, layout=layout)
+    with pytest.raises(ValueError, match="N=40, K=64"):
+        pack_int4_tiles(block.codes, torch.zeros(40, 2).bfloat16(), torch.zeros(40, 2).bfloat16())
+
+
 @needs_int4_kernel
 @pytest.mark.parametrize("T,K", [(56, 352), (57, 352), (100, 352), (700, 352), (75, 1536)])  # 56: partial 32-row block
 def test_int4_gemm_rows_multiply_by_the_weights_rounded_to_bfloat16(T, K):

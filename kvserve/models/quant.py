@@ -173,8 +173,12 @@ def pack_int4_tiles(codes: np.ndarray, scale: torch.Tensor, zero: torch.Tensor) 
     """The layout ``int4_gemm.c`` streams. codes: [N, K] uint8 in [0, 15]; scale, zero: [N, K/32]
     bfloat16 (N % 16 == 0, K % 32 == 0). Returns [N/16, K/32, 160] int16 holding uint16 bit patterns: per
     (tile of 16 rows, group of 32 inputs) 128 code lanes (lane L of chunk c holds in bits 4j..4j+3 the
-    code of row L/2 at input 32g + 8c + 2j + L%2), then the 16 scales, then the 16 zeros."""
+    code of row L/2 at input 32g + 8c + 2j + L%2), then the 16 scales, then the 16 zeros.
+    Raises ValueError when N is not a multiple of 16 or K of 32."""
     n, k = codes.shape
+    if n % 16 or k % GROUP_SIZE:
+        raise ValueError(f"the int4 tile layout needs out_features (N) % 16 == 0 and in_features (K) % "
+                         f"{GROUP_SIZE} == 0, got N={n}, K={k}")
     t, g = n // 16, k // GROUP_SIZE
     c = codes.reshape(t, 16, g, 4, 4, 2).astype(np.uint16).transpose(0, 2, 3, 1, 5, 4)  # t, g, chunk, row, k%2, j
     lanes = (c[..., 0] | c[..., 1] << 4 | c[..., 2] << 8 | c[..., 3] << 12).reshape(t, g, 128)
@@ -225,7 +229,9 @@ class Int4Linear(PackedLinear):
 
     def __init__(self, block: BlockQuant, bias: torch.Tensor | None = None, dense_prefill: bool = True,
                  layout: str | None = None):
-        """``layout``: None picks "tiles" where :func:`int4_kernel` runs, else "torch"; tests force either."""
+        """``layout``: None picks "tiles" where :func:`int4_kernel` runs, else "torch"; tests force either.
+        Raises ValueError unless out_features % 16 == 0 (both kernels' rows come in tiles of 16; the
+        loader keeps such matrices in float)."""
         super().__init__()
         n, k = block.codes.shape
         self.in_features, self.out_features, self.group_size = k, n, GROUP_SIZE
@@ -233,6 +239,9 @@ class Int4Linear(PackedLinear):
         zeros = lo + 8 * scale  # the kernels dequantize (q − 8)·scale + zero
         if layout not in (None, "tiles", "torch"):
             raise ValueError(f"layout must be 'tiles', 'torch' or None, got {layout!r}")
+        if n % 16:
+            raise ValueError(f"Int4Linear needs out_features (N) % 16 == 0 (kvserve's and PyTorch's int4 kernels "
+                             f"take rows in tiles of 16), got N={n}")
         self.layout = layout or ("tiles" if int4_kernel() is not None else "torch")
         if self.layout == "tiles" and int4_kernel() is None:
             raise ValueError("layout='tiles' needs kvserve's int4 kernel (AVX512-BF16 CPU and a C compiler)")
