@@ -309,16 +309,7 @@ static void int4_tile_amx(const uint16_t *rec, int G, const uint16_t *x, int64_t
 
 /* Tiles 0-3: C [16 × 16] float32 (rows 0-15 / 16-31 × columns 0-15 / 16-31); 4, 5: A = 16 rows of x ×
  * 32 inputs; 6, 7: B = 16 input pairs × 16 outputs × 2 */
-static void amx_configure_gemm(void) {
-    amx_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+static void amx_configure_gemm(void) { amx_configure_full(); }
 
 /* One record (16 weight rows × 32 inputs) as the B tile b [16 pairs × 32]: bf16((q − 8)·scale + zero).
  * Lane L of a record's code vector is row L/2 (module comment), so lanes 0-15 take rows 0-7's scales,

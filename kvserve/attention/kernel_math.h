@@ -148,11 +148,26 @@ static inline float quantize_row(const float *x, int d, int code, uint8_t *out) 
 }
 
 /* LDTILECFG's 64-byte operand (Intel SDM vol. 2, LDTILECFG: palette 1): per tile its bytes per row and
- * rows. Used by the AMX paths of int4_gemm.c and kv_quant_kernel.c. */
+ * rows. Used by the AMX paths of int4_gemm.c, kv_quant_kernel.c and prefill_attention.c. */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 } __attribute__((packed)) amx_tile_config;
+
+#if defined(__AMX_TILE__)
+#include <immintrin.h>
+/* All 8 tiles at their largest: 16 rows of 64 bytes */
+static inline void amx_configure_full(void) {
+    amx_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+#endif
 
 #endif

@@ -56,16 +56,7 @@ int kvs_prefill_attention_supported(int d) { return kvs_amx_granted() && (d == 3
 
 /* Tiles: 0, 1 = S (16 queries × 16 keys each, float32); 2 .. 2 + d/16 − 1 = O (16 queries × 16 dims,
  * float32); 6 = A (16 queries × 32 bfloat16: Q's dims, or P's keys); 7 = B (16 pairs × 16 × 2 bfloat16) */
-static void pf_configure(void) {
-    amx_tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
+static void pf_configure(void) { amx_configure_full(); }
 
 /* 2^x for x <= 0 (x = score·log2(e)·scale − m), lanes of `live` only (others 0): 2^round(x) by vscalefps
  * times a degree-4 polynomial for 2^f, |f| <= 1/2 (a least-squares fit with p(0) = 1, relative error
