@@ -163,9 +163,10 @@ def test_amx_prefill_attention_keeps_a_future_nan_key_from_earlier_queries():
 
 
 def test_prefill_kernel_is_only_taken_where_it_applies():
-    """float32, a window, other head dims, scale <= 0, autograd and non-contiguous heads keep SDPA."""
+    """float32, a window, other head dims, scale <= 0, autograd, non-contiguous heads and an odd K token
+    stride keep SDPA; the kernel's wrapper refuses the last with a ValueError."""
     _amx_prefill_kernel()
-    from kvserve.attention import paged
+    from kvserve.attention import kv_quant_kernel, paged
 
     q, k = torch.randn(8, 4, 64).bfloat16(), torch.randn(8, 2, 64).bfloat16()
     assert paged._prefill_kernel(q, k, k, 0.125) is not None
@@ -176,6 +177,18 @@ def test_prefill_kernel_is_only_taken_where_it_applies():
     assert paged._prefill_kernel(q, k, k, 0.0) is None
     assert paged._prefill_kernel(q.requires_grad_(), k, k, 0.125) is None
     assert paged._prefill_kernel(q.detach().transpose(1, 2).contiguous().transpose(1, 2), k, k, 0.125) is None
+    k_odd = torch.randn(8 * 129).bfloat16().as_strided((8, 2, 64), (129, 64, 1))  # token rows 129 apart
+    assert paged._prefill_kernel(q.detach(), k_odd, k, 0.125) is None
+    with pytest.raises(ValueError, match="even"):
+        kv_quant_kernel.prefill_attention(kv_quant_kernel.load(), q.detach(), k_odd, k, 0.125)
+    windowed = []
+    orig = kv_quant_kernel.prefill_attention
+    kv_quant_kernel.prefill_attention = lambda *a: windowed.append(1)
+    try:
+        out = paged._prefill(q.detach(), k, k, 0.125, window=4)
+    finally:
+        kv_quant_kernel.prefill_attention = orig
+    assert not windowed and out.shape == q.shape
 
 
 def test_long_chunk_whose_context_scores_are_all_vanishing():

@@ -178,7 +178,7 @@ def prefill_attention(dll: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
     (query i sees keys 0 .. S − L + i), on AMX tiles (``prefill_attention.c``).
 
     q: [L, H, d] bfloat16; k, v: [S, Hkv, d] bfloat16 (S >= L >= 1, H a multiple of Hkv; query head
-    h·G + g reads KV head h), token rows at any stride, each head's d elements contiguous; d where
+    h·G + g reads KV head h), token rows at any stride (k's even), each head's d elements contiguous; d where
     ``dll.prefill_attention_supported(d)`` (32, 64); scale > 0. Returns [L, H, d] bfloat16.
     Float32 scores and softmax, P rounded to bfloat16 for P·V, as PyTorch's CPU flash attention
     (tested against a float64 reference with its error as the bound)."""
@@ -187,6 +187,9 @@ def prefill_attention(dll: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
     if not (1 <= L <= S and H % Hkv == 0 and v.shape == k.shape and k.shape[2] == d):
         raise ValueError(f"prefill_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
                          "must be [L, H, d], [S, Hkv, d], [S, Hkv, d] with 1 <= L <= S and H % Hkv == 0")
+    if any(t.dtype != torch.bfloat16 or t.stride(2) != 1 or t.stride(1) != d for t in (q, k, v)) or k.stride(0) % 2:
+        raise ValueError("prefill_attention: q, k, v must be bfloat16 with each head's d elements contiguous "
+                         "(and k's token stride even: its dim pairs are gathered as 32-bit words)")
     out = torch.empty(L, H, d, dtype=torch.bfloat16)
     dll.kvs_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                               out.data_ptr(), L, S, H, Hkv, d, scale, torch.get_num_threads())
