@@ -182,7 +182,8 @@ def test_int4_one_row_nan_or_inf_input_gives_nan(bad):
 def test_int4_out_features_off_the_16_row_tiles():
     """40 output rows do not fill the 16-row tiles of either int4 kernel: Int4Linear refuses them with a
     ValueError that names N, whatever the layout (it was numpy's reshape error for "tiles" and PyTorch's
-    RuntimeError for "torch"), and pack_int4_tiles names N and K."""
+    RuntimeError for "torch"), pack_int4_tiles names N and K, and quantize_int4_minmax names a K off its
+    groups of 32."""
     from kvserve.models.quant import pack_int4_tiles
 
     block = quantize_int4_minmax(torch.randn(40, 64, generator=torch.Generator().manual_seed(3)))
@@ -191,6 +192,8 @@ def test_int4_out_features_off_the_16_row_tiles():
             Int4Linear(block, layout=layout)
     with pytest.raises(ValueError, match="N=40, K=64"):
         pack_int4_tiles(block.codes, torch.zeros(40, 2).bfloat16(), torch.zeros(40, 2).bfloat16())
+    with pytest.raises(ValueError, match="K=40"):  # was a bare reshape RuntimeError
+        quantize_int4_minmax(torch.randn(48, 40))
 
 
 @needs_int4_kernel

@@ -178,7 +178,8 @@ def prefill_attention(dll: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
     (query i sees keys 0 .. S − L + i), on AMX tiles (``prefill_attention.c``).
 
     q: [L, H, d] bfloat16; k, v: [S, Hkv, d] bfloat16 (S >= L >= 1, H a multiple of Hkv; query head
-    h·G + g reads KV head h), token rows at any stride (k's even), each head's d elements contiguous; d where
+    h·G + g reads KV head h), token rows at any stride (k's even), heads d elements apart and each head's
+    d elements contiguous (else ValueError, as for another dtype or shape); d where
     ``dll.prefill_attention_supported(d)`` (32, 64); scale > 0. Returns [L, H, d] bfloat16.
     Float32 scores and softmax, P rounded to bfloat16 for P·V, as PyTorch's CPU flash attention
     (tested against a float64 reference with its error as the bound)."""

@@ -2,7 +2,7 @@
  * are the queries' own (query i sits at key position S − L + i and sees keys 0 .. S − L + i).
  *
  * Why: PyTorch's CPU flash attention (the path F.scaled_dot_product_attention takes) runs at ~0.24 TFLOPS
- * here, and at 4096 prompt tokens SmolLM2's prefill attention was ~2 of its ~3.5 s of TTFT. A tile
+ * here, and at 4096 prompt tokens SmolLM2's prefill attention was ~2 of its ~3 s of TTFT. A tile
  * product (tdpbf16ps) does 16 × 16 × 32 multiply-adds; here one block of 16 queries × 32 keys of one
  * head costs 8 of them (4 for the scores, 4 for P·V at d = 64) plus the softmax in AVX-512.
  *
@@ -15,7 +15,8 @@
  * m is a reference above each row's running maximum (log2 units): when a block's row maximum passes it,
  * m becomes that maximum + PF_HEADROOM and the row's O and l are multiplied by 2^(m_old − m_new) (O's
  * tiles go through memory for it). The headroom makes that rare after the first blocks; every p stays
- * <= 2^-PF_HEADROOM, and a p below 2^-125 of m counts as 2^-125 (of the true maximum, 2^-117 at most).
+ * <= 1 (<= 2^-PF_HEADROOM right after a rescale), and a p below 2^-125 of m counts as 2^-125 (of the
+ * true maximum, 2^-117 at most).
  * out = O / l, rounded to bfloat16 (nearest even).
  *
  * Rounding is that of PyTorch's CPU flash attention for bfloat16 inputs (float32 scores and softmax, P

@@ -98,8 +98,12 @@ def gguf_block_quant(raw: np.ndarray, type_name: str, shape: tuple[int, int]) ->
 
 def quantize_int4_minmax(w: torch.Tensor, group_size: int = GROUP_SIZE) -> BlockQuant:
     """Q4_1's rule per group of ``group_size`` along K: scale = (max − min)/15, codes =
-    round((w − min)/scale). w: [N, K] float. Max error per weight: scale/2."""
+    round((w − min)/scale). w: [N, K] float. Max error per weight: scale/2. Raises ValueError unless K
+    is a multiple of ``group_size``."""
     n, k = w.shape
+    if group_size < 1 or k % group_size:
+        raise ValueError(f"quantize_int4_minmax needs in_features (K) % group_size == 0, got K={k}, "
+                         f"group_size={group_size}")
     g = w.detach().float().reshape(n, k // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15).clamp_min(1e-12)
