@@ -15,8 +15,8 @@
  * m is a reference above each row's running maximum (log2 units): when a block's row maximum passes it,
  * m becomes that maximum + PF_HEADROOM and the row's O and l are multiplied by 2^(m_old − m_new) (O's
  * tiles go through memory for it). The headroom makes that rare after the first blocks; every p stays
- * <= 1 (<= 2^-PF_HEADROOM right after a rescale), and a p below 2^-125 of m counts as 2^-125 (of the
- * true maximum, 2^-117 at most).
+ * <= 1 (<= 2^-PF_HEADROOM right after a rescale), and a p below 2^-125 of m is 0 (of the true maximum,
+ * 2^-117 at most).
  * out = O / l, rounded to bfloat16 (nearest even).
  *
  * Rounding is that of PyTorch's CPU flash attention for bfloat16 inputs (float32 scores and softmax, P
@@ -61,11 +61,13 @@ static void pf_configure(void) { amx_configure_full(); }
 
 /* 2^x for x <= 0 (x = score·log2(e)·scale − m), lanes of `live` only (others 0): 2^round(x) by vscalefps
  * times a degree-4 polynomial for 2^f, |f| <= 1/2 (a least-squares fit with p(0) = 1, relative error
- * < 3.1e-6: P is rounded to bfloat16, 2^-9, right after; 2^0 is exactly 1, as e^0 is in PyTorch's
- * kernel). x is clamped at -125 first, so every result is a normal float (a denormal would cost a
- * microcode assist) and -inf gives 2^-125 before the mask, not NaN. NaN stays NaN (maxps returns its
- * second operand for NaN). */
+ * < 3.1e-6: P is rounded to bfloat16, 2^-8, right after; 2^0 is exactly 1, as e^0 is in PyTorch's
+ * kernel). Below x = -125 the result is 0 (a lane mask), so every result is 0 or a normal float (a
+ * denormal would cost a microcode assist), and a 2^-126 · V of ~2^127 cannot reach the output. The math
+ * runs on x clamped at -125, so -inf lanes compute no NaN. NaN stays NaN (maxps returns its second
+ * operand for NaN; the unordered compare keeps the lane). */
 static inline __m512 exp2_nonpos_ps(__m512 x, __mmask16 live) {
+    live = _mm512_mask_cmp_ps_mask(live, x, _mm512_set1_ps(-125.f), _CMP_NLT_UQ);
     const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-125.f), x);
     const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(xc, n);
@@ -204,8 +206,14 @@ static inline __attribute__((always_inline)) void attend_block(
         }
         for (int r = 0; r < 16; r++) {
             const __m512 m = _mm512_permutexvar_ps(_mm512_set1_epi32(r), mref);
-            const __m512 p0 = exp2_nonpos_ps(_mm512_fmsub_ps(_mm512_load_ps(sbuf + 32 * r), vscale, m), m0[r]);
-            const __m512 p1 = exp2_nonpos_ps(_mm512_fmsub_ps(_mm512_load_ps(sbuf + 32 * r + 16), vscale, m), m1[r]);
+            /* the score rounded as bm's maximum was, then − m: x <= 0 exactly, however large the scores
+             * (a fused multiply-subtract left x up to half an ulp of S·scale above 0: 2^512 at ~1e10).
+             * The empty asm keeps GCC from fusing the two again (-ffp-contract=fast is its default). */
+            __m512 s0 = _mm512_mul_ps(_mm512_load_ps(sbuf + 32 * r), vscale);
+            __m512 s1 = _mm512_mul_ps(_mm512_load_ps(sbuf + 32 * r + 16), vscale);
+            __asm__("" : "+v"(s0), "+v"(s1));
+            const __m512 p0 = exp2_nonpos_ps(_mm512_sub_ps(s0, m), m0[r]);
+            const __m512 p1 = exp2_nonpos_ps(_mm512_sub_ps(s1, m), m1[r]);
             rm[r] = _mm512_add_ps(p0, p1);
             _mm512_store_si512(pbuf + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
