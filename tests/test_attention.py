@@ -146,7 +146,8 @@ def test_amx_prefill_attention_rescales_as_the_maximum_grows():
     assert (paged._prefill(q, k, v, 0.5).double() - ref).abs().max().item() <= bound
 
 
-@pytest.mark.parametrize("case", ["huge scores", "dominant key under the headroom", "vanishing key, huge value"])
+@pytest.mark.parametrize("case", ["huge scores", "dominant key under the headroom", "vanishing key, huge value",
+                                  "huge value rescaled away"])
 def test_amx_prefill_attention_edge_values(case):
     """From the adversarial review, each against float64 softmax with the bound above:
     - scores ~1e10: exp's argument was a fused S·scale − m, up to half an ulp of S·scale above 0, and p
@@ -154,7 +155,9 @@ def test_amx_prefill_attention_edge_values(case):
     - the dominant key in a later block, under the reference the first block set (p ≈ 0.54, rounded to
       bfloat16: the error the 2^-7 bound allows for);
     - a key 1000 below the maximum with a value of 3e38: its p was floored at 2^-125 instead of 0, and
-      the output read 1808 for an expected 1."""
+      the output read 1808 for an expected 1;
+    - the same value in the first block, then a key 1000 above it: the rescale factor was floored the
+      same way (227 for 1)."""
     _amx_prefill_kernel()
     from kvserve.attention import kv_quant_kernel
 
@@ -167,13 +170,17 @@ def test_amx_prefill_attention_edge_values(case):
         k, v = torch.zeros(33, 1, 32), torch.zeros(33, 1, 32)
         k[1:32, 0, 0], k[32, 0, 0] = -20.0, 4.9375
         v[32], v[0] = 1.140625, -1.140625
-    else:
+    elif case == "vanishing key, huge value":
         q[0, 0, 0], k[0, 0, 0] = 1.0, -1000.0
         v[0], v[1] = 3e38, 1.0
+    else:
+        q[0, 0, 0] = 1.0
+        k, v = torch.zeros(33, 1, 32), torch.zeros(33, 1, 32)
+        k[32, 0, 0], v[0], v[32] = 1000.0, 3e38, 1.0
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     ref = _causal_reference(q, k, v, 1.0)
     out = kv_quant_kernel.prefill_attention(kv_quant_kernel.load(), q, k, v, 1.0)
-    v_seen = 1.0 if case.startswith("vanishing") else v.float().abs().max().item()  # 3e38 gets weight 0
+    v_seen = 1.0 if "huge value" in case else v.float().abs().max().item()  # 3e38 gets weight 0
     assert (out.double() - ref).abs().max().item() <= 2.0 ** -7 * v_seen + 2.0 ** -12, (out[0, 0, 0], ref[0, 0, 0])
 
 
@@ -195,7 +202,8 @@ def test_amx_prefill_attention_keeps_a_future_nan_key_from_earlier_queries():
 
 def test_prefill_kernel_is_only_taken_where_it_applies():
     """float32, a window, other head dims, scale <= 0, autograd, non-contiguous heads and an odd K token
-    stride keep SDPA; the kernel's wrapper refuses the last with a ValueError."""
+    stride keep SDPA; the kernel's wrapper refuses an odd stride, other head dims and float32 with a
+    ValueError (the C function also returns without writing for an unsupported d)."""
     _amx_prefill_kernel()
     from kvserve.attention import kv_quant_kernel, paged
 
@@ -212,6 +220,12 @@ def test_prefill_kernel_is_only_taken_where_it_applies():
     assert paged._prefill_kernel(q.detach(), k_odd, k, 0.125) is None
     with pytest.raises(ValueError, match="even"):
         kv_quant_kernel.prefill_attention(kv_quant_kernel.load(), q.detach(), k_odd, k, 0.125)
+    for d in (16, 48, 128):  # d = 16 corrupted the heap, 128 overran a stack buffer, before the wrapper checked
+        with pytest.raises(ValueError, match=f"head_dim {d}"):
+            kv_quant_kernel.prefill_attention(kv_quant_kernel.load(), torch.randn(47, 2, d).bfloat16(),
+                                              torch.randn(50, 1, d).bfloat16(), torch.randn(50, 1, d).bfloat16(), 0.1)
+    with pytest.raises(ValueError, match="bfloat16"):
+        kv_quant_kernel.prefill_attention(kv_quant_kernel.load(), q.detach().float(), k.float(), k.float(), 0.125)
     windowed = []
     orig = kv_quant_kernel.prefill_attention
     kv_quant_kernel.prefill_attention = lambda *a: windowed.append(1)

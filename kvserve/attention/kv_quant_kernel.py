@@ -188,6 +188,8 @@ def prefill_attention(dll: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
     if not (1 <= L <= S and H % Hkv == 0 and v.shape == k.shape and k.shape[2] == d):
         raise ValueError(f"prefill_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
                          "must be [L, H, d], [S, Hkv, d], [S, Hkv, d] with 1 <= L <= S and H % Hkv == 0")
+    if not dll.prefill_attention_supported(d):
+        raise ValueError(f"prefill_attention: head_dim {d} is not one the kernel takes here (32 or 64, with AMX)")
     if any(t.dtype != torch.bfloat16 or t.stride(2) != 1 or t.stride(1) != d for t in (q, k, v)) or k.stride(0) % 2:
         raise ValueError("prefill_attention: q, k, v must be bfloat16 with each head's d elements contiguous "
                          "(and k's token stride even: its dim pairs are gathered as 32-bit words)")

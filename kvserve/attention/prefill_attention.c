@@ -241,6 +241,7 @@ static inline __attribute__((always_inline)) void attend_block(
 void kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, int64_t k_row, const uint16_t *v,
                            int64_t v_row, uint16_t *out, int64_t L, int64_t S, int H, int Hkv, int d, float scale,
                            int num_threads) {
+    if (!kvs_prefill_attention_supported(d) || Hkv < 1 || H % Hkv || L < 1 || S < L) return;  /* out untouched */
     const int G = H / Hkv;
     const int64_t Sp = (S + PF_KB - 1) / PF_KB * PF_KB, nkt = Sp / 16, nqb = (L + PF_QB - 1) / PF_QB, c = S - L;
     uint16_t *kp = aligned_alloc(64, sizeof(uint16_t) * (size_t)(Hkv * Sp * d));
