@@ -22,11 +22,11 @@ def test_compiled_layers_match_eager():
 def test_compiled_layers_with_packed_weights_prefill_through_the_dense_copy():
     """int4 weights: prompts of >= dense_min_tokens rows multiply with the dense copy, which compile
     must be able to trace (the prepacked oneDNN layout is turned back into a plain tensor); where the
-    int4 kernel has AMX there is no copy, and from INT4_GEMM_MIN_ROWS rows its GEMM runs eagerly."""
-    from kvserve.models.quant import DENSE_MIN_TOKENS, INT4_GEMM_MIN_ROWS
+    int4 kernel has AMX there is no copy, and from int4_gemm_min_rows() rows its GEMM runs eagerly."""
+    from kvserve.models.quant import DENSE_MIN_TOKENS, int4_gemm_min_rows
 
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    prompts = [list(range(5, 5 + max(DENSE_MIN_TOKENS, INT4_GEMM_MIN_ROWS) + 2)), [5, 6, 7]]
+    prompts = [list(range(5, 5 + max(DENSE_MIN_TOKENS, int4_gemm_min_rows() or 0) + 2)), [5, 6, 7]]
     eager = tiny_llm(dtype="bfloat16", weight_dtype="int4").generate(prompts, params)
     compiled = tiny_llm(dtype="bfloat16", weight_dtype="int4", compile=True).generate(prompts, params)
     for e, c in zip(eager, compiled):

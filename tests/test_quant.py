@@ -199,18 +199,18 @@ def test_int4_out_features_off_the_16_row_tiles():
 @needs_int4_kernel
 @pytest.mark.parametrize("T,K", [(56, 352), (57, 352), (100, 352), (700, 352), (75, 1536)])  # 56: partial 32-row block
 def test_int4_gemm_rows_multiply_by_the_weights_rounded_to_bfloat16(T, K):
-    """From INT4_GEMM_MIN_ROWS rows on AMX, the kernel dequantizes W to bfloat16 tiles itself and holds no
+    """From int4_gemm_min_rows() rows on AMX, the kernel dequantizes W to bfloat16 tiles itself and holds no
     copy. Oracle: float64 x·Wᵀ with W = dequantize() rounded to bfloat16 by torch (the copy the dense path
     multiplied with). Bound: the output's bfloat16 rounding (2⁻⁸ relative) plus K float32 roundings of at
     most Σ|x·w| (K·2⁻²⁴). The exact int4 weights instead of their bfloat16 rounding (up to 2⁻⁹·|w| each)
     put some outputs outside it (checked below), so a kernel that skipped or misplaced the rounding, a
     scale or a zero fails. N = 848: 53 tiles of 16 rows, an odd count (a half-empty last block of 32
     columns); at K = 1536 a slab holds at most 10 of the 27 blocks: four slabs over two threads."""
-    from kvserve.models.quant import INT4_GEMM_MIN_ROWS
+    from kvserve.models.quant import int4_gemm_min_rows
 
     if not int4_kernel().amx:
         pytest.skip("the int4 GEMM path needs AMX")
-    assert T >= INT4_GEMM_MIN_ROWS
+    assert T >= int4_gemm_min_rows()
     g = torch.Generator().manual_seed(T)
     N = 848
     layer = Int4Linear(quantize_int4_minmax(torch.randn(N, K, generator=g) * 0.05), layout="tiles")

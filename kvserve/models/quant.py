@@ -52,8 +52,7 @@ DENSE_MIN_TOKENS = 12 if MKLDNN_BF16 else 32
 # rows the kernel dequantizes each call's weights to bfloat16 tiles once and runs a GEMM on them
 # (int4_gemm_amx in int4_gemm.c: the copy's weights bit for bit, at oneDNN's speed on the copy), so an
 # int4 model holds its int4 weights alone (the copy was 2 bytes per weight: SmolLM2's 270 MB beside
-# 85 MB of int4). Must equal int4_gemm.c's INT4_GEMM_MIN_ROWS.
-INT4_GEMM_MIN_ROWS = 56
+# 85 MB of int4). The row count is int4_gemm.c's INT4_GEMM_MIN_ROWS (56): int4_gemm_min_rows().
 
 
 @dataclass(slots=True)
@@ -173,6 +172,14 @@ def int4_kernel():
     return dll if dll is not None and dll.kvs_int4_supported() else None
 
 
+def int4_gemm_min_rows() -> int | None:
+    """Rows of x from which the int4 kernel, where it has AMX, dequantizes a call's weights to bfloat16
+    tiles once and runs a GEMM on them (int4_gemm.c's INT4_GEMM_MIN_ROWS, asked of the library); None
+    where the int4 kernel does not run."""
+    dll = int4_kernel()
+    return None if dll is None else int(dll.kvs_int4_gemm_min_rows())
+
+
 def pack_int4_tiles(codes: np.ndarray, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """The layout ``int4_gemm.c`` streams. codes: [N, K] uint8 in [0, 15]; scale, zero: [N, K/32]
     bfloat16 (N % 16 == 0, K % 32 == 0). Returns [N/16, K/32, 160] int16 holding uint16 bit patterns: per
@@ -228,7 +235,7 @@ class Int4Linear(PackedLinear):
     kernel multiplies bfloat16 x, except up to 7 rows (decode steps of small batches) on a CPU with
     AVX512-VNNI: each row is quantized to int8 per group of 32 inputs (scale max|x| / 127, as llama.cpp's
     Q8_1) and multiplied in integers (error ≤ scale / 2 per input; see int4_gemm.c). Where the kernel has
-    AMX it takes every row count and the layer holds no bfloat16 copy: from ``INT4_GEMM_MIN_ROWS`` rows it
+    AMX it takes every row count and the layer holds no bfloat16 copy: from :func:`int4_gemm_min_rows` rows it
     multiplies by the weights rounded to bfloat16 (the copy's weights) in an AMX GEMM."""
 
     def __init__(self, block: BlockQuant, bias: torch.Tensor | None = None, dense_prefill: bool = True,
@@ -251,7 +258,7 @@ class Int4Linear(PackedLinear):
             raise ValueError("layout='tiles' needs kvserve's int4 kernel (AVX512-BF16 CPU and a C compiler)")
         if self.layout == "tiles":
             self.register_buffer("packed", pack_int4_tiles(block.codes, scale.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)))
-            if int4_kernel().amx:  # every row count on the kernel, no bfloat16 copy (see INT4_GEMM_MIN_ROWS)
+            if int4_kernel().amx:  # every row count on the kernel, no bfloat16 copy (see int4_gemm_min_rows)
                 self.dense_min_tokens = sys.maxsize
                 dense_prefill = False
         else:
