@@ -64,12 +64,22 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
+def _random_in_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Standard-normal tensors of ``shapes`` in one arena of 2 MiB pages (kvserve/memory.py), as the engine
+    keeps its weights and KV cache, drawn in place: generating them first and copying them over held every
+    byte twice (1 GiB at its peak for measure_gemv's 512 MiB)."""
+    mats = memory.zeros_many([(shape, dtype) for shape in shapes])
+    for m in mats:
+        m.normal_()
+    return mats
+
+
 def measure_gemv(dtype: torch.dtype, total_bytes: int = 512 << 20, rows: int = 2048, repeats: int = 5) -> float:
     """Bytes/s of y = W x over square [rows, rows] matrices totalling ``total_bytes`` (≫ L3 cache),
     one after another as a model's layers are read, from 2 MiB pages as the engine keeps its weights
     (kvserve/memory.py)."""
     n = max(2, total_bytes // (rows * rows * torch.empty((), dtype=dtype).element_size()))
-    mats = memory.move_to_huge_pages([torch.randn(rows, rows).to(dtype) for _ in range(n)])  # as the engine's
+    mats = _random_in_huge_pages([(rows, rows)] * n, dtype)  # as the engine's
     x = torch.randn(1, rows).to(dtype)
 
     def run():
@@ -134,8 +144,7 @@ def measure_kv_read(dtype: torch.dtype, num_layers: int = 30, num_kv_heads: int 
 
     bs = 16
     nb = contexts[1] // bs
-    flat = memory.move_to_huge_pages([torch.randn(nb, bs, num_kv_heads, head_dim).to(dtype)
-                                      for _ in range(2 * num_layers)])  # 2 MiB pages, as the engine's cache
+    flat = _random_in_huge_pages([(nb, bs, num_kv_heads, head_dim)] * (2 * num_layers), dtype)  # as the engine's
     caches = list(zip(flat[0::2], flat[1::2]))
     q = torch.randn(1, num_heads, head_dim).to(dtype)
     kv = torch.randn(1, num_kv_heads, head_dim).to(dtype)
