@@ -52,7 +52,7 @@ DENSE_MIN_TOKENS = 12 if MKLDNN_BF16 else 32
 # rows the kernel dequantizes each call's weights to bfloat16 tiles once and runs a GEMM on them
 # (int4_gemm_amx in int4_gemm.c: the copy's weights bit for bit, at oneDNN's speed on the copy), so an
 # int4 model holds its int4 weights alone (the copy was 2 bytes per weight: SmolLM2's 270 MB beside
-# 85 MB of int4). The row count is int4_gemm.c's INT4_GEMM_MIN_ROWS (56): int4_gemm_min_rows().
+# 85 MB of int4). The row count is int4_gemm.c's INT4_GEMM_MIN_ROWS: int4_gemm_min_rows().
 
 
 @dataclass(slots=True)
