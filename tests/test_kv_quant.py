@@ -1,6 +1,8 @@
 """Quantized KV cache: round-trip error bounds per dtype, fused kernel vs the plain reference
 (quantize → dequantize → float64 attention), the torch fallback vs the kernel, bytes per token by hand,
 config validation, and engine behaviour (chunking and preemption invariance) on the tiny model."""
+import os
+
 import pytest
 import torch
 
@@ -77,6 +79,37 @@ def test_old_library_builds_are_pruned(tmp_path):
     assert gone == [files["kv_quant_kernel_old.so"]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kv_quant_kernel_current.so", "kv_quant_kernel_recent.so",
                                                           "probe.json"]
+
+
+@pytest.mark.parametrize("flags", ["-mno-avx512bf16 -mno-amx-tile -mno-amx-bf16 -mno-amx-int8", "-mno-avx512f"],
+                         ids=["no-bf16-no-amx", "no-avx512"])
+def test_library_loads_where_the_cpu_lacks_avx512_bf16_or_amx(tmp_path, flags):
+    """load() declares every symbol it calls, so a library built for a CPU without AVX512-BF16 and AMX (or
+    without AVX-512) must still export them all: kvs_int4_gemm_min_rows was once defined only inside the
+    AVX512-BF16 section, and there load() raised AttributeError and every kernel path was lost. Built by
+    load() itself through a compiler wrapper that turns those features off (at -O0: this checks symbols,
+    not speed), in a fresh process with its own cache directory."""
+    import shutil
+    import subprocess
+    import sys
+
+    cc = shutil.which("cc")
+    if cc is None or subprocess.run([cc, *flags.split(), "-x", "c", "-c", "/dev/null", "-o", os.devnull],
+                                    capture_output=True).returncode:
+        pytest.skip(f"no cc that takes {flags}")
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\nexec {cc} "$@" {flags} -O0\n')
+    wrapper.chmod(0o755)
+    code = ("from kvserve.attention import kv_quant_kernel\n"
+            "from kvserve.models.quant import int4_gemm_min_rows\n"
+            "dll = kv_quant_kernel.load()\n"
+            "assert dll is not None, 'no library'\n"
+            "assert dll.kvs_int4_supported() == 0 and int4_gemm_min_rows() is None\n"
+            "assert dll.kvs_int4_gemm_min_rows() > 0\n")
+    env = {**os.environ, "CC": str(wrapper), "KVSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("KVSERVE_NO_KV_KERNEL", None)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def _tie_rows(kind: str, d: int) -> torch.Tensor:

@@ -55,6 +55,13 @@ int64_t kvs_int4_scratch_floats(int64_t M, int K) {
     return sums > q8 ? sums : q8;
 }
 
+#ifndef INT4_GEMM_MIN_ROWS
+#define INT4_GEMM_MIN_ROWS 56 /* from this many rows of x, int4_gemm_amx */
+#endif
+/* INT4_GEMM_MIN_ROWS, the one definition: kvserve.models.quant.int4_gemm_min_rows asks here. Outside the
+ * AVX512-BF16 section, so the library exports it on every CPU (kv_quant_kernel.load() declares it). */
+int kvs_int4_gemm_min_rows(void) { return INT4_GEMM_MIN_ROWS; }
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -428,11 +435,6 @@ int kvs_int4_amx_enable(void) { return 0; }
 int kvs_amx_granted(void) { return 0; }
 #endif
 
-#ifndef INT4_GEMM_MIN_ROWS
-#define INT4_GEMM_MIN_ROWS 56 /* from this many rows of x, int4_gemm_amx (Python reads it: kvs_int4_gemm_min_rows) */
-#endif
-/* INT4_GEMM_MIN_ROWS, the one definition (kvserve.models.quant.int4_gemm_min_rows asks here) */
-int kvs_int4_gemm_min_rows(void) { return INT4_GEMM_MIN_ROWS; }
 #define INT4_AMX_MIN_ROWS 2 /* from this many rows of x, AMX (1 row: 3.7 ms vdpbf16ps vs ~5 ms AMX on SmolLM2) */
 
 static inline void store_rows(const float *out, int rows, int64_t m0, int64_t N, int t, void *y, int out_code) {
