@@ -112,6 +112,24 @@ def test_library_loads_where_the_cpu_lacks_avx512_bf16_or_amx(tmp_path, flags):
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+def test_a_failed_build_returns_none_and_leaves_no_file(tmp_path):
+    """A compiler that fails: load() returns None (callers take the PyTorch path) and the cache directory
+    keeps no half-written tmp*.so (each failed start used to leave one)."""
+    import subprocess
+    import sys
+
+    wrapper = tmp_path / "cc"
+    wrapper.write_text("#!/bin/sh\necho 'no compiler here' >&2\nexit 1\n")
+    wrapper.chmod(0o755)
+    code = ("from kvserve.attention import kv_quant_kernel\n"
+            "assert kv_quant_kernel.load() is None\n")
+    env = {**os.environ, "CC": str(wrapper), "KVSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("KVSERVE_NO_KV_KERNEL", None)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
 def _tie_rows(kind: str, d: int) -> torch.Tensor:
     """Rows whose first value is QMAX (so the scale is exactly 1 and x / scale = x) followed by every tie
     of the format (the midpoint of two neighbouring codes, both signs, subnormals included), -0.0 and 0."""

@@ -44,6 +44,7 @@ def load() -> ctypes.CDLL | None:
     cache = Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
     lib = cache / f"kv_quant_kernel_{tag}.so"
     if not lib.exists():
+        tmp = None
         try:
             cache.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
@@ -54,6 +55,8 @@ def load() -> ctypes.CDLL | None:
                            capture_output=True, timeout=900)
             os.replace(tmp, lib)  # atomic: concurrent processes never load a half-written file
         except (OSError, subprocess.SubprocessError):
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)  # a failed build leaves no partial file behind
             return None
         prune_old_builds(cache, keep=lib)
     dll = ctypes.CDLL(str(lib))
