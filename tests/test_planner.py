@@ -430,5 +430,7 @@ def test_probe_gemv_holds_its_matrices_once():
             "b = kib('VmRSS:')\n"
             "assert measure_gemv(torch.float32, total_bytes=256 << 20, repeats=1) > 0\n"
             "print((kib('VmHWM:') - b) * 1024)\n")
-    grew = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    grew = int(run.stdout)
     assert 200 << 20 < grew < 1.5 * (256 << 20), grew  # the matrices themselves are resident
