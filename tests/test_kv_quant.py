@@ -110,6 +110,28 @@ def test_library_loads_where_the_cpu_lacks_avx512_bf16_or_amx(tmp_path, flags):
     env.pop("KVSERVE_NO_KV_KERNEL", None)
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+    # the wrapper's build has a name of its own: a plain cc build in the same directory never loads it
+    src = b"".join(p.read_bytes() for p in (*kv_quant_kernel._SRCS, kv_quant_kernel._SRCS[0].with_name("kernel_math.h")))
+    cpu = kv_quant_kernel.cpu_features()
+    built = [p.name for p in (tmp_path / "cache").glob("kv_quant_kernel_*.so")]
+    assert built == [f"kv_quant_kernel_{kv_quant_kernel.build_tag(src, str(wrapper), cpu)}.so"]
+    assert built != [f"kv_quant_kernel_{kv_quant_kernel.build_tag(src, 'cc', cpu)}.so"]
+
+
+def test_build_name_changes_with_the_cpu_and_the_compiler():
+    """-march=native code from one CPU can hold instructions another lacks (an NFS home shared by
+    machines): the cache name covers the CPU's features and the compiler command, and only what changed
+    moves it."""
+    cpu = kv_quant_kernel.cpu_features()
+    if os.path.exists("/proc/cpuinfo"):
+        assert len(cpu.split()) > 1  # the machine name, then the feature flags
+    base = kv_quant_kernel.build_tag(b"src", "cc", cpu)
+    assert base == kv_quant_kernel.build_tag(b"src", "cc", cpu)
+    others = {kv_quant_kernel.build_tag(b"src", "cc", cpu + " amx_fp16"),
+              kv_quant_kernel.build_tag(b"src", "cc", "aarch64 asimd fp"),
+              kv_quant_kernel.build_tag(b"src", "clang", cpu),
+              kv_quant_kernel.build_tag(b"src2", "cc", cpu)}
+    assert base not in others and len(others) == 4
 
 
 def test_a_failed_build_returns_none_and_leaves_no_file(tmp_path):

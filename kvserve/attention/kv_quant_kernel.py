@@ -6,8 +6,9 @@ matrix-vector products of decode steps (``dense_gemv.c``, used by :class:`kvserv
 and :class:`kvserve.models.quant.Int8Linear` where the CPU has AVX-512) and the causal prefill attention on
 AMX tiles (``prefill_attention.c``, used by :mod:`kvserve.attention.paged` for bfloat16 heads of 32 or 64).
 
-Built with the system C compiler (``cc -O3 -march=native -fopenmp``) into ``~/.cache/kvserve`` under a
-name that hashes the source and flags (a new build deletes other versions' builds unused for 7 days),
+Built with the system C compiler (``cc -O3 -march=native -fopenmp``; ``$CC`` if set) into
+``~/.cache/kvserve`` (``$KVSERVE_CACHE_DIR`` if set) under a name that hashes the source, flags, compiler
+command and CPU features (a new build deletes other versions' builds unused for 7 days),
 and called through ctypes on tensors' data pointers. Returns
 None when no compiler is available (set ``KVSERVE_NO_KV_KERNEL=1`` to force that); callers then use
 the plain PyTorch path in :mod:`kvserve.attention.kv_quant`.
@@ -18,6 +19,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import subprocess
 import tempfile
 import time
@@ -33,6 +35,25 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-err
 CODES = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "float32": 3, "bfloat16": 4}
 
 
+def cpu_features() -> str:
+    """What ``-march=native`` compiles for: the machine name and, on Linux, the first CPU's feature flags
+    from /proc/cpuinfo ("" where there is none)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return platform.machine() + " " + " ".join(sorted(flags.split(":", 1)[-1].split()))
+
+
+def build_tag(src: bytes, cc: str, cpu: str) -> str:
+    """The library's cache name: a hash of the sources, the flags, the compiler command and the CPU's
+    features, so a cache directory shared by machines (an NFS home) never hands one CPU a build made
+    with ``-march=native`` on another (an illegal instruction at the first call)."""
+    return hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), cc.encode(), cpu.encode()])).hexdigest()[:16]
+
+
 @torch.compiler.disable  # file checks and ctypes: never traced
 @functools.cache
 def load() -> ctypes.CDLL | None:
@@ -40,7 +61,7 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("KVSERVE_NO_KV_KERNEL") or not all(p.exists() for p in _SRCS):
         return None
     src = b"".join(p.read_bytes() for p in (*_SRCS, _SRCS[0].with_name("kernel_math.h")))  # the tag covers the header
-    tag = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    tag = build_tag(src, os.environ.get("CC", "cc"), cpu_features())
     cache = Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
     lib = cache / f"kv_quant_kernel_{tag}.so"
     if not lib.exists():
