@@ -39,9 +39,9 @@ def cpu_features() -> str:
     """What ``-march=native`` compiles for: the machine name and, on Linux, the first CPU's feature flags
     from /proc/cpuinfo ("" where there is none)."""
     flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    try:  # x86 "flags", arm64 "Features", s390x "features", riscv "isa"
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line for line in f if line.lower().startswith(("flags", "features", "isa"))), "")
     except OSError:
         pass
     return platform.machine() + " " + " ".join(sorted(flags.split(":", 1)[-1].split()))
@@ -75,12 +75,20 @@ def load() -> ctypes.CDLL | None:
             subprocess.run([os.environ.get("CC", "cc"), *_FLAGS, *map(str, _SRCS), "-o", tmp, "-lm"], check=True,
                            capture_output=True, timeout=900)
             os.replace(tmp, lib)  # atomic: concurrent processes never load a half-written file
+            tmp = None
         except (OSError, subprocess.SubprocessError):
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)  # a failed build leaves no partial file behind
             return None
+        finally:  # a failed or interrupted build leaves no partial file behind
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
         prune_old_builds(cache, keep=lib)
-    dll = ctypes.CDLL(str(lib))
+    try:
+        dll = ctypes.CDLL(str(lib))
+    except OSError:  # a damaged file in the cache: callers take the PyTorch path, as for a failed build
+        return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     dll.kvq_decode_attention.argtypes = [p, p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, i32, i32]
     dll.kvq_decode_attention.restype = None
