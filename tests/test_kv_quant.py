@@ -81,12 +81,13 @@ def test_old_library_builds_are_pruned(tmp_path):
                                                           "probe.json"]
 
 
-@pytest.mark.parametrize("flags", ["-mno-avx512bf16 -mno-amx-tile -mno-amx-bf16 -mno-amx-int8", "-mno-avx512f"],
-                         ids=["no-bf16-no-amx", "no-avx512"])
+@pytest.mark.parametrize("flags", ["-mno-avx512bf16 -mno-amx-tile -mno-amx-bf16 -mno-amx-int8", "-mno-avx512f",
+                                   "-mno-avx512bf16"], ids=["no-bf16-no-amx", "no-avx512", "amx-without-bf16"])
 def test_library_loads_where_the_cpu_lacks_avx512_bf16_or_amx(tmp_path, flags):
     """load() declares every symbol it calls, so a library built for a CPU without AVX512-BF16 and AMX (or
     without AVX-512) must still export them all: kvs_int4_gemm_min_rows was once defined only inside the
-    AVX512-BF16 section, and there load() raised AttributeError and every kernel path was lost. Built by
+    AVX512-BF16 section, and there load() raised AttributeError and every kernel path was lost; AMX
+    without AVX512-BF16 (a VM can show one and hide the other) failed the whole build. Built by
     load() itself through a compiler wrapper that turns those features off (at -O0: this checks symbols,
     not speed), in a fresh process with its own cache directory."""
     import shutil

@@ -321,7 +321,7 @@ static inline __attribute__((always_inline)) void k_pass_bf16(
 }
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)  /* the passes round with vcvtne2ps2bf16 */
 #define HAVE_K_PASS_AMX 1
 int kvs_amx_granted(void); /* int4_gemm.c: this process was granted the AMX tile state */
 
