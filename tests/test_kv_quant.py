@@ -112,11 +112,9 @@ def test_library_loads_where_the_cpu_lacks_avx512_bf16_or_amx(tmp_path, flags):
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     # the wrapper's build has a name of its own: a plain cc build in the same directory never loads it
-    src = b"".join(p.read_bytes() for p in (*kv_quant_kernel._SRCS, kv_quant_kernel._SRCS[0].with_name("kernel_math.h")))
-    cpu = kv_quant_kernel.cpu_features()
     built = [p.name for p in (tmp_path / "cache").glob("kv_quant_kernel_*.so")]
-    assert built == [f"kv_quant_kernel_{kv_quant_kernel.build_tag(src, str(wrapper), cpu)}.so"]
-    assert built != [f"kv_quant_kernel_{kv_quant_kernel.build_tag(src, 'cc', cpu)}.so"]
+    assert built == [kv_quant_kernel.library_path(str(wrapper)).name]
+    assert built != [kv_quant_kernel.library_path("cc").name]
 
 
 def test_a_damaged_cached_library_returns_none(tmp_path):
@@ -127,10 +125,8 @@ def test_a_damaged_cached_library_returns_none(tmp_path):
 
     code = ("import os\n"
             "from kvserve.attention import kv_quant_kernel as k\n"
-            "src = b''.join(p.read_bytes() for p in (*k._SRCS, k._SRCS[0].with_name('kernel_math.h')))\n"
-            "tag = k.build_tag(src, os.environ.get('CC', 'cc'), k.cpu_features())\n"
             "os.makedirs(os.environ['KVSERVE_CACHE_DIR'], exist_ok=True)\n"
-            "open(os.path.join(os.environ['KVSERVE_CACHE_DIR'], f'kv_quant_kernel_{tag}.so'), 'wb').write(b'junk')\n"
+            "k.library_path().write_bytes(b'junk')\n"
             "assert k.load() is None\n")
     env = {**os.environ, "KVSERVE_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("KVSERVE_NO_KV_KERNEL", None)

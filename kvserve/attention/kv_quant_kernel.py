@@ -54,16 +54,23 @@ def build_tag(src: bytes, cc: str, cpu: str) -> str:
     return hashlib.sha256(b"\0".join([src, " ".join(_FLAGS).encode(), cc.encode(), cpu.encode()])).hexdigest()[:16]
 
 
+def library_path(cc: str | None = None) -> Path:
+    """Where load() keeps (or builds) the library for compiler command ``cc`` (default ``$CC`` or "cc"):
+    ``$KVSERVE_CACHE_DIR`` (default ``~/.cache/kvserve``) / ``kv_quant_kernel_<build_tag>.so``, the tag over
+    the sources and kernel_math.h."""
+    src = b"".join(p.read_bytes() for p in (*_SRCS, _SRCS[0].with_name("kernel_math.h")))
+    tag = build_tag(src, cc if cc is not None else os.environ.get("CC", "cc"), cpu_features())
+    return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve")) / f"kv_quant_kernel_{tag}.so"
+
+
 @torch.compiler.disable  # file checks and ctypes: never traced
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None (no compiler, build failure, or KVSERVE_NO_KV_KERNEL=1)."""
     if os.environ.get("KVSERVE_NO_KV_KERNEL") or not all(p.exists() for p in _SRCS):
         return None
-    src = b"".join(p.read_bytes() for p in (*_SRCS, _SRCS[0].with_name("kernel_math.h")))  # the tag covers the header
-    tag = build_tag(src, os.environ.get("CC", "cc"), cpu_features())
-    cache = Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
-    lib = cache / f"kv_quant_kernel_{tag}.so"
+    lib = library_path()
+    cache = lib.parent
     if not lib.exists():
         tmp = None
         try:
