@@ -434,3 +434,53 @@ def test_probe_gemv_holds_its_matrices_once():
     assert run.returncode == 0, run.stderr[-2000:]
     grew = int(run.stdout)
     assert 200 << 20 < grew < 1.5 * (256 << 20), grew  # the matrices themselves are resident
+
+
+def test_measure_gemv_rejects_sizes_that_would_build_millions_of_matrices():
+    """rows=1 over the default 512 MiB asked for 2^27 one-element matrices and ran for minutes. Now a
+    ValueError names rows, the count and the smallest rows that fits (brute force here), before any is built."""
+    from kvserve.planner.probe import MAX_GEMV_MATRICES, measure_gemv
+
+    for dtype, elem in ((torch.float32, 4), (torch.bfloat16, 2)):
+        least = next(r for r in range(1, 5000) if (512 << 20) // (r * r * elem) <= MAX_GEMV_MATRICES)
+        with pytest.raises(ValueError, match=rf"rows=1 needs {(512 << 20) // elem} matrices.*rows >= {least}\b"):
+            measure_gemv(dtype, rows=1)
+    total = MAX_GEMV_MATRICES * 4 * 100  # exactly MAX float32 matrices of 10 × 10
+    assert measure_gemv(torch.float32, total_bytes=total, rows=10, repeats=1) > 0
+    with pytest.raises(ValueError, match=r"rows >= 10\b"):
+        measure_gemv(torch.float32, total_bytes=total, rows=9, repeats=1)
+    for kw, field_name in ((dict(rows=0), "rows"), (dict(total_bytes=0), "total_bytes"),
+                           (dict(total_bytes=total, rows=10, repeats=0), "repeats")):
+        with pytest.raises(ValueError, match=field_name):
+            measure_gemv(torch.float32, **kw)
+
+
+def test_measure_kv_read_checks_contexts_and_covers_every_token(monkeypatch):
+    """Bad contexts give a ValueError naming them; a longer context that was not slower gives a
+    RuntimeError (it had been clamped to 1e-9 s, an absurd rate); a context that is not a multiple of the
+    16-token block has a slot for its last token (the block table had been one block short: IndexError).
+    The timer is replaced by fixed times, so the rate is the hand-computed bytes over their difference."""
+    from kvserve.planner import probe
+
+    for bad in ((5, 5), (0, 10), (10, 5), (1, 2, 3), (1.5, 3)):
+        with pytest.raises(ValueError, match="contexts"):
+            probe.measure_kv_read(torch.float32, num_layers=1, contexts=bad)
+    with pytest.raises(ValueError, match="num_heads"):
+        probe.measure_kv_read(torch.float32, num_layers=1, num_heads=8, contexts=(16, 32))
+    with pytest.raises(ValueError, match="num_layers"):
+        probe.measure_kv_read(torch.float32, num_layers=0, contexts=(16, 32))
+
+    times = iter([0.004, 0.010])
+
+    def fake_best_time(fn, repeats):
+        fn()  # the real attention over the real block table: must not run past it
+        return next(times)
+
+    monkeypatch.setattr(probe, "_best_time", fake_best_time)
+    rate = probe.measure_kv_read(torch.float32, num_layers=2, contexts=(20, 50))
+    per_token = 2 * 2 * 3 * 64 * 4  # K and V, 2 layers, 3 KV heads × 64 float32
+    assert rate == pytest.approx((50 - 20) * per_token / 0.006)
+
+    times = iter([0.010, 0.010])
+    with pytest.raises(RuntimeError, match="not more than"):
+        probe.measure_kv_read(torch.float32, num_layers=1, contexts=(16, 32))

@@ -6,6 +6,7 @@ overhead (its own step loop on a model of negligible width) — and save them as
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -55,6 +56,9 @@ class ProbeResult:
 
 
 def _best_time(fn, repeats: int) -> float:
+    """Best wall seconds of ``repeats`` calls of ``fn`` after one warm-up call. ValueError: repeats < 1."""
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -74,11 +78,27 @@ def _random_in_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> 
     return mats
 
 
+#: measure_gemv's most matrices: past this, per-call overhead (µs a matrix), not the bandwidth, is measured,
+#: and a tiny ``rows`` would spend minutes building millions of them
+MAX_GEMV_MATRICES = 4096
+
+
 def measure_gemv(dtype: torch.dtype, total_bytes: int = 512 << 20, rows: int = 2048, repeats: int = 5) -> float:
     """Bytes/s of y = W x over square [rows, rows] matrices totalling ``total_bytes`` (≫ L3 cache),
     one after another as a model's layers are read, from 2 MiB pages as the engine keeps its weights
-    (kvserve/memory.py)."""
-    n = max(2, total_bytes // (rows * rows * torch.empty((), dtype=dtype).element_size()))
+    (kvserve/memory.py). ValueError: rows or total_bytes < 1, or more than ``MAX_GEMV_MATRICES`` matrices
+    (rows too small for total_bytes), or repeats < 1."""
+    for name, v in (("rows", rows), ("total_bytes", total_bytes)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    elem = torch.empty((), dtype=dtype).element_size()
+    n = max(2, total_bytes // (rows * rows * elem))
+    if n > MAX_GEMV_MATRICES:
+        least = math.isqrt(total_bytes // (MAX_GEMV_MATRICES * elem))
+        while total_bytes // (least * least * elem) > MAX_GEMV_MATRICES:
+            least += 1
+        raise ValueError(f"rows={rows} needs {n} matrices of {rows * rows * elem} B for total_bytes={total_bytes}; at most "
+                         f"{MAX_GEMV_MATRICES}: use rows >= {least} (or a smaller total_bytes)")
     mats = _random_in_huge_pages([(rows, rows)] * n, dtype)  # as the engine's
     x = torch.randn(1, rows).to(dtype)
 
@@ -138,12 +158,24 @@ def measure_kv_read(dtype: torch.dtype, num_layers: int = 30, num_kv_heads: int 
                     num_heads: int = 9, contexts: tuple[int, int] = (256, 4096), repeats: int = 5) -> float:
     """Marginal K+V bytes/s of the engine's paged decode attention for one sequence, over
     ``num_layers`` separate caches (so they do not all fit in L3), between two context lengths.
-    Default shape: the bundled SmolLM2's heads (9 query / 3 KV × 64)."""
+    Default shape: the bundled SmolLM2's heads (9 query / 3 KV × 64).
+    ValueError: contexts not two integers 1 <= a < b, a shape argument < 1, or num_heads not a multiple of
+    num_kv_heads. RuntimeError: the longer context did not take longer (a noisy host, or contexts so close
+    that the difference is below the timer's resolution), where a rate cannot be measured."""
     from kvserve.attention.metadata import AttentionMetadata
     from kvserve.attention.paged import paged_attention
 
+    for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                    ("num_heads", num_heads)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if (len(contexts) != 2 or not all(isinstance(c, int) for c in contexts)
+            or not 1 <= contexts[0] < contexts[1]):
+        raise ValueError(f"contexts must be two integers 1 <= a < b, got {contexts!r}")
     bs = 16
-    nb = contexts[1] // bs
+    nb = -(-contexts[1] // bs)  # every token of the longer context has a slot
     flat = _random_in_huge_pages([(nb, bs, num_kv_heads, head_dim)] * (2 * num_layers), dtype)  # as the engine's
     caches = list(zip(flat[0::2], flat[1::2]))
     q = torch.randn(1, num_heads, head_dim).to(dtype)
@@ -158,7 +190,11 @@ def measure_kv_read(dtype: torch.dtype, num_layers: int = 30, num_kv_heads: int 
 
         times.append(_best_time(run, repeats))
     per_token = 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    return (contexts[1] - contexts[0]) * per_token / max(times[1] - times[0], 1e-9)
+    if times[1] <= times[0]:
+        raise RuntimeError(f"measure_kv_read: {contexts[1]} tokens took {times[1] * 1e3:.3f} ms, not more than "
+                           f"{contexts[0]} tokens' {times[0] * 1e3:.3f} ms; no rate can be measured from that "
+                           f"(a busy host, or contexts too close): use contexts further apart")
+    return (contexts[1] - contexts[0]) * per_token / (times[1] - times[0])
 
 
 def measure_engine_overhead(dtype: str, layer_counts: tuple[int, int] = (2, 30), steps: int = 24,
