@@ -256,6 +256,37 @@ def test_nan_or_inf_row_reads_back_nan_in_c_and_torch(kind):
     assert out[1].isfinite().all()  # the other sequence ends before both
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_near_float32_max_read_back_finite_in_c_and_torch(kind):
+    """A finite row whose max|x| is within rounding of float32's max (3.4028235e38) reads back finite:
+    int8's scale fl(max / 127) rounded up at exactly the max, and code 127 read back as inf. The 4096
+    floats just below the max and the max itself, each as a row [a, -a, a/3, random × a]: finite, within
+    the round-trip bound of test_round_trip_error_bound (int8: max|x| / 254; fp8: relative, for values
+    in the format's normal range), and the C write path stores torch's bits."""
+    fmax = torch.finfo(torch.float32).max
+    a = (torch.tensor(fmax).view(torch.int32) - torch.arange(4097, dtype=torch.int32)).view(torch.float32)
+    g = torch.Generator().manual_seed(11)
+    x = (torch.rand(len(a), 1, 64, generator=g) * 2 - 1) * a[:, None, None]
+    x[:, 0, 0], x[:, 0, 1], x[:, 0, 2] = a, -a, a / 3
+    codes, scale = quantize(x, kind)
+    y = dequantize(codes, scale, kind)
+    assert y.isfinite().all(), int((~y.isfinite()).any(-1).sum())
+    amax = a[:, None, None].double()
+    if kind == "int8":
+        assert ((y.double() - x.double()).abs() / amax).max() <= ROUND_TRIP[kind]
+    else:
+        normal = x.abs().double() / amax * QMAX[kind] >= SMALLEST_NORMAL[kind]
+        assert ((y.double() - x.double()).abs() / x.abs().double())[normal].max() <= ROUND_TRIP[kind]
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        pytest.skip("no C compiler")
+    cache = QuantizedKVCache.zeros(kind, (len(a) + 15) // 16, 16, 1, 64)
+    slots = torch.arange(len(a))
+    kv_quant_kernel.write_quantized(dll, x, cache.codes, cache.scale, slots, kind)
+    assert torch.equal(cache.codes.view(-1, 1, 64)[slots], codes)
+    assert torch.equal(cache.scale.view(-1, 1)[slots], scale)
+
+
 def _run(kind, num_heads, num_kv_heads, context_lens, query_lens, block_size=4, head_dim=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_blocks = 400
