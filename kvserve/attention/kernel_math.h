@@ -136,7 +136,7 @@ static inline float quantize_row(const float *x, int d, int code, uint8_t *out) 
     /* qmax · s must stay finite: fl(max|x| / qmax) can round up, and for max|x| within rounding of FLT_MAX
      * the code ±qmax then read back as ±inf. One step down makes qmax · s < max|x| (s shrinks by more than
      * its rounding error, 2^-24 relative); the value at max|x| clamps to ±qmax. The product is exact in
-     * double (24 + 16 bits), which no float reassociation can fold into max|x|. */
+     * double (qmax has at most 7 significant bits), and no float reassociation can fold it into max|x|. */
     if ((double)s * qmax > 3.4028234663852886e38) s = nextafterf(s, 0.f);
     for (int i = 0; i < d; i++) {
         float y = x[i] / s;

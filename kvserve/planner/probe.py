@@ -97,8 +97,8 @@ def measure_gemv(dtype: torch.dtype, total_bytes: int = 512 << 20, rows: int = 2
         least = math.isqrt(total_bytes // (MAX_GEMV_MATRICES * elem))
         while total_bytes // (least * least * elem) > MAX_GEMV_MATRICES:
             least += 1
-        raise ValueError(f"rows={rows} needs {n} matrices of {rows * rows * elem} B for total_bytes={total_bytes}; at most "
-                         f"{MAX_GEMV_MATRICES}: use rows >= {least} (or a smaller total_bytes)")
+        raise ValueError(f"rows={rows} needs {n} matrices of {rows * rows * elem} B for total_bytes={total_bytes}; "
+                         f"at most {MAX_GEMV_MATRICES}: use rows >= {least} (or a smaller total_bytes)")
     mats = _random_in_huge_pages([(rows, rows)] * n, dtype)  # as the engine's
     x = torch.randn(1, rows).to(dtype)
 
