@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -449,10 +450,19 @@ def test_measure_gemv_rejects_sizes_that_would_build_millions_of_matrices():
     assert measure_gemv(torch.float32, total_bytes=total, rows=10, repeats=1) > 0
     with pytest.raises(ValueError, match=r"rows >= 10\b"):
         measure_gemv(torch.float32, total_bytes=total, rows=9, repeats=1)
-    for kw, field_name in ((dict(rows=0), "rows"), (dict(total_bytes=0), "total_bytes"),
+    for kw, field_name in ((dict(rows=0), "rows"), (dict(total_bytes=0), "total_bytes"), (dict(rows=True), "rows"),
                            (dict(total_bytes=total, rows=10, repeats=0), "repeats")):
         with pytest.raises(ValueError, match=field_name):
             measure_gemv(torch.float32, **kw)
+    # a terabyte: the suggestion is still the smallest rows that fits (counting up from an isqrt overshot)
+    big = 1918114201601
+    with pytest.raises(ValueError, match=r"rows >= (\d+)") as e:
+        measure_gemv(torch.float32, total_bytes=big, rows=1)
+    least = int(re.search(r"rows >= (\d+)", str(e.value)).group(1))
+    assert big // (least * least * 4) <= MAX_GEMV_MATRICES < big // ((least - 1) ** 2 * 4)
+    # rows too large: two matrices (at least two are built) may not exceed total_bytes
+    with pytest.raises(ValueError, match=r"rows=65536: two matrices.*rows <= 8192\b"):
+        measure_gemv(torch.float32, rows=65536)
 
 
 def test_measure_kv_read_checks_contexts_and_covers_every_token(monkeypatch):
@@ -464,13 +474,15 @@ def test_measure_kv_read_checks_contexts_and_covers_every_token(monkeypatch):
     and their difference gave 983 GB/s."""
     from kvserve.planner import probe
 
-    for bad in ((5, 5), (0, 10), (10, 5), (1, 2, 3), (1.5, 3)):
+    for bad in ((5, 5), (0, 10), (10, 5), (1, 2, 3), (1.5, 3), None, {1, 2}, iter((1, 2)), (True, 64)):
         with pytest.raises(ValueError, match="contexts"):
             probe.measure_kv_read(torch.float32, num_layers=1, contexts=bad)
     with pytest.raises(ValueError, match="num_heads"):
         probe.measure_kv_read(torch.float32, num_layers=1, num_heads=8, contexts=(16, 32))
     with pytest.raises(ValueError, match="num_layers"):
         probe.measure_kv_read(torch.float32, num_layers=0, contexts=(16, 32))
+    with pytest.raises(ValueError, match="GiB of KV cache, over half this machine"):
+        probe.measure_kv_read(torch.float32, contexts=(16, 10 ** 8))  # 4.6 TB of caches
 
     times = iter([0.004, 0.010])
 
@@ -493,3 +505,20 @@ def test_measure_kv_read_checks_contexts_and_covers_every_token(monkeypatch):
         16 * (2 * 3 * 64 * 4) / 0.0011)
     with pytest.raises(ValueError, match="repeats"):
         probe.measure_kv_read(torch.float32, num_layers=1, contexts=(16, 32), repeats=0)
+
+
+def test_probe_command_reports_an_unmeasurable_rate_as_an_error(monkeypatch, capsys, tmp_path):
+    """`kvserve probe` on a host too busy to measure the KV rate: one error line and exit status 1,
+    not a traceback, and no probe.json written."""
+    from kvserve import cli
+    from kvserve.planner import probe
+
+    def busy(**kw):
+        raise probe.ProbeError("measure_kv_read: 4096 tokens took 28.0 ms, less than 10% more than ...")
+
+    monkeypatch.setattr(probe, "run_probe", busy)
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    assert cli.main(["probe"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve: error: measure_kv_read: 4096 tokens") and "Traceback" not in err
+    assert not os.path.exists(probe.probe_path())

@@ -55,10 +55,20 @@ class ProbeResult:
                           overhead_per_layer_s=self.overhead_per_layer_s, calibrated_on=f"kvserve probe ({d})")
 
 
+class ProbeError(RuntimeError):
+    """A rate could not be measured on this host as it is now; the message says why and what to try."""
+
+
+def _check_positive_ints(**values) -> None:
+    """ValueError naming the first value that is not an int >= 1 (a bool is not accepted as an int)."""
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+
 def _best_time(fn, repeats: int) -> float:
     """Best wall seconds of ``repeats`` calls of ``fn`` after one warm-up call. ValueError: repeats < 1."""
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    _check_positive_ints(repeats=repeats)
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -86,17 +96,19 @@ MAX_GEMV_MATRICES = 4096
 def measure_gemv(dtype: torch.dtype, total_bytes: int = 512 << 20, rows: int = 2048, repeats: int = 5) -> float:
     """Bytes/s of y = W x over square [rows, rows] matrices totalling ``total_bytes`` (≫ L3 cache),
     one after another as a model's layers are read, from 2 MiB pages as the engine keeps its weights
-    (kvserve/memory.py). ValueError: rows or total_bytes < 1, or more than ``MAX_GEMV_MATRICES`` matrices
-    (rows too small for total_bytes), or repeats < 1."""
-    for name, v in (("rows", rows), ("total_bytes", total_bytes), ("repeats", repeats)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    (kvserve/memory.py). ValueError: rows, total_bytes or repeats not an integer >= 1; more than
+    ``MAX_GEMV_MATRICES`` matrices (rows too small for total_bytes); or two matrices over total_bytes (rows
+    too large for it)."""
+    _check_positive_ints(rows=rows, total_bytes=total_bytes, repeats=repeats)
     elem = torch.empty((), dtype=dtype).element_size()
-    n = max(2, total_bytes // (rows * rows * elem))
+    if 2 * rows * rows * elem > total_bytes:
+        raise ValueError(f"rows={rows}: two matrices take {2 * rows * rows * elem} B, more than total_bytes="
+                         f"{total_bytes}; use rows <= {math.isqrt(total_bytes // (2 * elem))} "
+                         f"(or a larger total_bytes)")
+    n = total_bytes // (rows * rows * elem)
     if n > MAX_GEMV_MATRICES:
-        least = math.isqrt(total_bytes // (MAX_GEMV_MATRICES * elem))
-        while total_bytes // (least * least * elem) > MAX_GEMV_MATRICES:
-            least += 1
+        # the smallest r with total_bytes // (r² · elem) <= MAX, i.e. r² · elem · (MAX + 1) > total_bytes
+        least = math.isqrt(total_bytes // ((MAX_GEMV_MATRICES + 1) * elem)) + 1
         raise ValueError(f"rows={rows} needs {n} matrices of {rows * rows * elem} B for total_bytes={total_bytes}; "
                          f"at most {MAX_GEMV_MATRICES}: use rows >= {least} (or a smaller total_bytes)")
     mats = _random_in_huge_pages([(rows, rows)] * n, dtype)  # as the engine's
@@ -163,25 +175,30 @@ def measure_kv_read(dtype: torch.dtype, num_layers: int = 30, num_kv_heads: int 
     """Marginal K+V bytes/s of the engine's paged decode attention for one sequence, over
     ``num_layers`` separate caches (so they do not all fit in L3), between two context lengths.
     Default shape: the bundled SmolLM2's heads (9 query / 3 KV × 64).
-    ValueError: contexts not two integers 1 <= a < b, a shape argument or repeats < 1, or num_heads not a
-    multiple of num_kv_heads. RuntimeError: the longer context took less than ``MIN_KV_READ_GROWTH`` more
-    time than the shorter one. Then something other than reading the KV bytes set both times (another
-    process holding a core while libgomp spins, or contexts too close), and their difference gives
-    no rate (a busy host's 28 ms against 28 ms gave 983 GB/s)."""
+    ValueError: contexts not two integers 1 <= a < b, a shape argument or repeats not an integer >= 1,
+    num_heads not a multiple of num_kv_heads, or caches over half this machine's memory. ProbeError (a
+    RuntimeError): the longer context took less than ``MIN_KV_READ_GROWTH`` more time than the shorter
+    one. Then something other than reading the KV bytes set both times (another process holding a core
+    while libgomp spins, or contexts too close), and their difference gives no rate (a busy host's 28 ms
+    against 28 ms gave 983 GB/s)."""
     from kvserve.attention.metadata import AttentionMetadata
     from kvserve.attention.paged import paged_attention
 
-    for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                    ("num_heads", num_heads), ("repeats", repeats)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    _check_positive_ints(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         num_heads=num_heads, repeats=repeats)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if (len(contexts) != 2 or not all(isinstance(c, int) for c in contexts)
+    if (not isinstance(contexts, (tuple, list)) or len(contexts) != 2
+            or any(isinstance(c, bool) or not isinstance(c, int) for c in contexts)
             or not 1 <= contexts[0] < contexts[1]):
         raise ValueError(f"contexts must be two integers 1 <= a < b, got {contexts!r}")
     bs = 16
     nb = -(-contexts[1] // bs)  # every token of the longer context has a slot
+    elem = torch.empty((), dtype=dtype).element_size()
+    cache_bytes, memory_bytes = 2 * num_layers * nb * bs * num_kv_heads * head_dim * elem, _total_memory_bytes()
+    if memory_bytes and cache_bytes > memory_bytes / 2:
+        raise ValueError(f"contexts[1]={contexts[1]} with {num_layers} layers needs {cache_bytes / 2**30:.1f} GiB "
+                         f"of KV cache, over half this machine's {memory_bytes / 2**30:.1f} GiB")
     flat = _random_in_huge_pages([(nb, bs, num_kv_heads, head_dim)] * (2 * num_layers), dtype)  # as the engine's
     caches = list(zip(flat[0::2], flat[1::2]))
     q = torch.randn(1, num_heads, head_dim).to(dtype)
@@ -195,9 +212,9 @@ def measure_kv_read(dtype: torch.dtype, num_layers: int = 30, num_kv_heads: int 
                 paged_attention(q, kv, kv, kc, vc, meta, head_dim ** -0.5)
 
         times.append(_best_time(run, repeats))
-    per_token = 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * num_layers * num_kv_heads * head_dim * elem
     if times[1] < times[0] * (1 + MIN_KV_READ_GROWTH):
-        raise RuntimeError(
+        raise ProbeError(
             f"measure_kv_read: {contexts[1]} tokens took {times[1] * 1e3:.3f} ms, less than "
             f"{MIN_KV_READ_GROWTH:.0%} more than {contexts[0]} tokens' {times[0] * 1e3:.3f} ms, so the KV read did "
             f"not set these times and no rate follows. If another process is busy, measure with one thread "
