@@ -259,10 +259,12 @@ def test_nan_or_inf_row_reads_back_nan_in_c_and_torch(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_rows_near_float32_max_read_back_finite_in_c_and_torch(kind):
     """A finite row whose max|x| is within rounding of float32's max (3.4028235e38) reads back finite:
-    int8's scale fl(max / 127) rounded up at exactly the max, and code 127 read back as inf. The 4096
-    floats just below the max and the max itself, each as a row [a, -a, a/3, random × a]: finite, within
-    the round-trip bound of test_round_trip_error_bound (int8: max|x| / 254; fp8: relative, for values
-    in the format's normal range), and the C write path stores torch's bits."""
+    int8's scale fl(max / 127) rounded up at exactly the max, and code 127 read back as inf. That is the
+    only float32 input that overflowed (an adversarial review checked every float in [2^127, max]); fp8
+    never did, since max / 448 and max / 57344 are exact, and its cases here guard against a regression.
+    The 4096 floats just below the max and the max itself, each as a row [a, -a, a/3, random × a]: finite,
+    within the round-trip bound of test_round_trip_error_bound (int8: max|x| / 254; fp8: relative, for
+    values in the format's normal range), and the C write path stores torch's bits."""
     fmax = torch.finfo(torch.float32).max
     a = (torch.tensor(fmax).view(torch.int32) - torch.arange(4097, dtype=torch.int32)).view(torch.float32)
     g = torch.Generator().manual_seed(11)

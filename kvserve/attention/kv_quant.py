@@ -103,7 +103,8 @@ def kind_of_dtype(dtype: torch.dtype) -> str | None:
 def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [..., head_dim] float → (codes [..., head_dim] uint8, scale [...] float32) with
     ``scale = max|x| / QMAX`` per vector (one float32 step lower where QMAX · scale would overflow, so a
-    finite row reads back finite). int8 rounds to nearest (|error| ≤ scale / 2); fp8 rounds to
+    finite row reads back finite). int8 rounds x / scale to nearest (|error| ≤ scale / 2 +
+    2^-16 · scale, the second term from the float32 roundings of x / scale and of the read-back); fp8 rounds to
     nearest even in the fp8 format (relative error ≤ 2^-4 for e4m3, 2^-3 for e5m2, for normals).
     A vector holding NaN (inf) gets scale NaN (inf) and codes 0: it dequantizes to NaN, so a NaN
     reaches attention's output as it would from a float cache."""
@@ -111,7 +112,8 @@ def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.float()
     scale = (x.abs().amax(dim=-1) / qmax).clamp_min(_MIN_SCALE)
     # qmax · scale must stay finite: for max|x| within rounding of float32's max, max|x| / qmax can round
-    # up and the code ±qmax would read back as ±inf; one float step down (kernel_math.h's quantize_row)
+    # up and the code ±qmax would read back as ±inf; one float step down (kernel_math.h's quantize_row).
+    # In float32 only int8 at exactly the max needs it (max / 448 and max / 57344 are exact).
     over = scale.isfinite() & (scale.double() * qmax > torch.finfo(torch.float32).max)
     scale = torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
     y = torch.where(scale.isfinite()[..., None], x / scale[..., None], 0.0)
