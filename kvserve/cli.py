@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from kvserve.config import ConfigError
+from kvserve.planner.probe import ProbeError
 from kvserve.sampling_params import InvalidRequestError, SamplingParams
 
 
@@ -246,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         param = f" [{e.param}]" if getattr(e, "param", None) else ""
         print(f"kvserve: error{param}: {e}", file=sys.stderr)
         return 2
+    except ProbeError as e:  # a rate this host cannot measure now (kvserve probe, explain --probe)
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

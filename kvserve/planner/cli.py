@@ -146,13 +146,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 
 def cmd_probe(a: argparse.Namespace) -> int:
-    from kvserve.planner.probe import ProbeError, format_probe, run_probe, save_probe
+    from kvserve.planner.probe import format_probe, run_probe, save_probe
 
-    try:
-        res = run_probe(dtype=a.dtype, engine_overhead=not a.no_engine)
-    except ProbeError as e:
-        print(f"kvserve: error: {e}", file=sys.stderr)
-        return 1
+    res = run_probe(dtype=a.dtype, engine_overhead=not a.no_engine)
     print(format_probe(res))
     print(f"saved {save_probe(res, a.output)}", file=sys.stderr)
     return 0
@@ -161,13 +157,9 @@ def cmd_probe(a: argparse.Namespace) -> int:
 def cmd_explain(a: argparse.Namespace) -> int:
     from kvserve.llm import LLM
     from kvserve.planner.explain import format_explain, plot_explain, rows_as_dicts, run_explain
-    from kvserve.planner.probe import ProbeError, load_probe, run_probe, save_probe
+    from kvserve.planner.probe import load_probe, run_probe, save_probe
 
-    try:
-        probe = run_probe(dtype=a.dtype) if a.probe else load_probe()
-    except ProbeError as e:
-        print(f"kvserve: error: {e}", file=sys.stderr)
-        return 1
+    probe = run_probe(dtype=a.dtype) if a.probe else load_probe()
     if a.probe:
         save_probe(probe)
     probe.dtype = a.dtype
