@@ -90,7 +90,7 @@ class KVCacheSpec:
 
     @property
     def bytes_per_element(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize  # read on every step's statistics: no tensor made for it
 
     @property
     def is_quantized(self) -> bool:
