@@ -33,6 +33,44 @@ def test_chained_hashes():
     assert len(kv.block_hashes("r", list(range(11)))) == 2  # only full blocks
 
 
+def test_decode_steps_register_each_block_they_fill_once_and_again_after_preemption():
+    """cache_full_blocks as the scheduler calls it, one token a step: every block a decode fills is
+    registered under its chained hash (computed here from hash_block), and a step that fills none
+    looks at no block (it only counts). After the request is freed (preemption) and re-admitted on
+    new blocks, those are registered in turn."""
+    bs, kv = 4, KVCacheManager(16, 4, enable_prefix_caching=True)
+    tokens = list(range(100, 130))
+    expect, h = [], None
+    for i in range(len(tokens) // bs):
+        h = hash_block(h, tokens[i * bs:(i + 1) * bs])
+        expect.append(h)
+
+    def decode(start: int, end: int) -> None:
+        for n in range(start, end + 1):  # n tokens computed after this step
+            assert kv.allocate_slots("r", n + 1, num_computed_tokens=n)
+            kv.cache_full_blocks("r", tokens[:n + 1], n)
+            blocks = kv._blocks["r"][0]
+            assert [b.block_hash for b in blocks[:n // bs]] == expect[:n // bs]
+            assert all(b.block_hash is None for b in blocks[n // bs:])
+
+    decode(1, 17)
+    looked = []
+
+    class Spy(list):
+        def __getitem__(self, i):
+            looked.append(i)
+            return list.__getitem__(self, i)
+    kv._blocks["r"][0] = Spy(kv._blocks["r"][0])
+    kv.cache_full_blocks("r", tokens[:19], 18)  # 18 tokens: still 4 full blocks, as after 17
+    assert looked == []
+    kv.cache_full_blocks("r", tokens[:21], 20)  # the fifth block is full now: only it is looked at
+    assert set(looked) == {4} and kv._blocks["r"][0][4].block_hash == expect[4]
+    kv.free("r")
+    kv.pool.reset_prefix_cache()  # the hits are gone: re-admission takes new, unregistered blocks
+    decode(1, 24)
+    assert [b.block_hash for b in kv._blocks["r"][0][:6]] == expect[:6]
+
+
 def test_hit_leaves_the_last_token_to_compute():
     kv = KVCacheManager(8, 4, enable_prefix_caching=True)
     ids = list(range(8))  # exactly two full blocks

@@ -48,6 +48,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self._blocks: dict[str, list[list[KVCacheBlock | None]]] = {}  # per request, per group
         self._hashes: dict[str, list[BlockHash]] = {}  # hashes of the request's full blocks, in order
+        # full blocks of the request offered to the prefix cache so far: a decode step offers only a block
+        # it filled, instead of walking the whole table (a held block keeps its hash until it is freed)
+        self._num_offered: dict[str, int] = {}
         self.num_queried_tokens = 0  # prefix-cache lookups, in tokens
         self.num_hit_tokens = 0
 
@@ -60,12 +63,14 @@ class KVCacheManager:
         return self.pool.usage
 
     # ------------------------------------------------------------------ prefix lookup
-    def block_hashes(self, request_id: str, token_ids: Sequence[int], extra_keys: tuple = ()) -> list[BlockHash]:
-        """Hashes of every full block of ``token_ids`` (extended incrementally; the salt goes into
-        the first block, and the chain carries it to the rest)."""
+    def block_hashes(self, request_id: str, token_ids: Sequence[int], extra_keys: tuple = (),
+                     num_blocks: int | None = None) -> list[BlockHash]:
+        """Hashes of every full block of ``token_ids``, or of its first ``num_blocks`` (extended
+        incrementally, so the list may hold more; the salt goes into the first block, and the chain
+        carries it to the rest)."""
         hashes = self._hashes.setdefault(request_id, [])
         bs = self.block_size
-        for i in range(len(hashes), len(token_ids) // bs):
+        for i in range(len(hashes), len(token_ids) // bs if num_blocks is None else num_blocks):
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs], extra_keys if i == 0 else ()))
         return hashes
@@ -140,10 +145,14 @@ class KVCacheManager:
             return
         blocks = self._blocks.get(request_id, [[]])[0]
         n_full = min(num_computed_tokens // self.block_size, len(blocks))
-        hashes = self.block_hashes(request_id, token_ids[:n_full * self.block_size], extra_keys)
-        for block, h in zip(blocks[:n_full], hashes):
-            if block.block_hash is None:
-                self.pool.cache_block(block, h)
+        done = self._num_offered.get(request_id, 0)
+        if n_full <= done:  # a decode step that filled no block: nothing new (O(1), not O(context))
+            return
+        hashes = self.block_hashes(request_id, token_ids, extra_keys, n_full)
+        for i in range(done, n_full):
+            if blocks[i].block_hash is None:
+                self.pool.cache_block(blocks[i], hashes[i])
+        self._num_offered[request_id] = n_full
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Free the request's tail blocks beyond those ``num_tokens`` slots need (rejected proposals)."""
@@ -157,6 +166,7 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Return all of the request's blocks (tail first). Unknown ids are ignored."""
         self._hashes.pop(request_id, None)
+        self._num_offered.pop(request_id, None)
         for blocks in self._blocks.pop(request_id, ()):
             self.pool.free_blocks([b for b in reversed(blocks) if b is not None])
 
