@@ -236,6 +236,77 @@ def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias, kv_
         assert [x.top_logprobs for x in a.logprobs] == [x.top_logprobs for x in b.logprobs]  # exact
 
 
+@pytest.mark.parametrize("dtype,weight_dtype,tied", [("bfloat16", "int4", False), ("bfloat16", "bfloat16", True),
+                                                    ("float32", "float32", False)])
+def test_compute_logits_without_the_float32_cast_is_the_same_values(dtype, weight_dtype, tied):
+    """compute_logits(float32=False), which the model runner hands the sampler: the LM head's own dtype
+    (bfloat16 for packed and bfloat16 heads), whose float32 cast is exactly the float32 logits."""
+    from kvserve.models.catalog import DUMMY_PRESETS
+    from tests.conftest import tiny_llm
+
+    llm = tiny_llm(dtype=dtype, weight_dtype=weight_dtype,
+                   dummy_config=DUMMY_PRESETS["tiny-llama"].replace(tie_word_embeddings=tied))
+    model = llm.engine.runner.model
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(getattr(torch, dtype))
+    with torch.inference_mode():
+        raw, full = model.compute_logits(hidden, float32=False), model.compute_logits(hidden)
+    assert raw.dtype == getattr(torch, dtype) and full.dtype == torch.float32
+    assert torch.equal(raw.float(), full)
+
+
+@pytest.mark.parametrize("dtype,weight_dtype,tied,kv_dtype", [
+    ("bfloat16", "int4", False, "auto"), ("bfloat16", "int8", False, "int8"), ("float32", "float32", False, "auto"),
+    ("float32", "float32", True, "fp8_e4m3")])
+def test_greedy_step_with_the_lm_head_in_the_one_call_gives_the_sampler_tokens(dtype, weight_dtype, tied, kv_dtype):
+    """A plain greedy decode step runs the LM head and the argmax inside the one C call
+    (LlamaDecodePlan.greedy): the very tokens the plan's hidden states, the LM head module and the greedy
+    sampler give. The tiny model's random weights give near-even logits, so any difference in the head's
+    rounding shows as a different token. A batch mixing a logprobs request keeps the sampler's path."""
+    if (int4_kernel() if weight_dtype == "int4" else gemv_kernel()) is None:
+        pytest.skip("kvserve's int4 kernel needs AVX512-BF16 and cc; the dense GEMV AVX-512 and cc")
+    from kvserve import SamplingParams
+    from kvserve.engine.model_runner import ModelRunner
+    from kvserve.models.catalog import DUMMY_PRESETS
+    from kvserve.models.llama_decode import LlamaDecodePlan
+    from tests.conftest import tiny_llm
+
+    prompts = [list(range(3, 3 + n)) for n in (1, 15, 17, 70, 300)]
+    greedy = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    with_logprobs = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, logprobs=1)
+    runs = []
+    for fused in (True, False):
+        llm = tiny_llm(dtype=dtype, weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype, max_num_batched_tokens=512,
+                       enable_prefix_caching=False,
+                       dummy_config=DUMMY_PRESETS["tiny-llama"].replace(tie_word_embeddings=tied))
+        runner = llm.engine.runner
+        g = torch.Generator().manual_seed(5)
+        for name, p in runner.model.named_parameters():  # dummy norms are all ones: make each its own
+            if "norm" in name:
+                p.data.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+        if not fused:
+            runner._fused_greedy = lambda *a: False
+        calls = []
+        orig = LlamaDecodePlan.greedy
+
+        def counted(self, *a):
+            calls.append(orig(self, *a))
+            return calls[-1]
+        try:
+            LlamaDecodePlan.greedy = counted
+            outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+            mixed = [o.outputs[0].token_ids for o in llm.generate(prompts, [greedy] * 4 + [with_logprobs])]
+        finally:
+            LlamaDecodePlan.greedy = orig
+        if fused:  # one prefill step, then 6 decode steps on the C call's head; none in the mixed batch
+            assert len(calls) == 6 and all(c is not None for c in calls)
+            assert isinstance(runner, ModelRunner)
+        else:
+            assert calls == []
+        runs.append((outs, mixed))
+    assert runs[0] == runs[1]
+    assert runs[0][0] == runs[0][1]  # the logprobs row changes nothing in the others
+
+
 @pytest.mark.parametrize("dtype,weight_dtype,kv_dtype,lens", [
     ("bfloat16", "int4", "auto", (1, 15, 16, 17, 33, 70) * 3),  # 18 rows: two AMX blocks where the kernel has AMX
     ("float32", "int4", "auto", (1, 15, 16, 17, 33, 70)), ("float32", "int4", "bfloat16", (1, 15, 16, 17, 33, 70)),

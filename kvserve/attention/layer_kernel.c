@@ -338,12 +338,21 @@ static void linear_team(int kind, const void *x, int64_t M, int K, const void *w
  * caches (codes 0-2) their K and V scales [num_slots, Hkv] (else 0); for int8 matrices their row scales
  * (bfloat16 [N]; else 0), in the matrices' order. x: [B, n] residual stream (act 3 or 4), updated in
  * place; out: [B, n] final-norm hidden states (act). Matmul inputs and outputs are bfloat16 for int4 and
- * int8, as Int4Linear and Int8Linear take and return them, and float32 for dense ones (act 3). */
+ * int8, as Int4Linear and Int8Linear take and return them, and float32 for dense ones (act 3).
+ *
+ * lm_head (NULL: none): a greedy step's LM head, a [V, n] matrix of the layers' kind (lm_scales: its row
+ * scales for int8, else NULL), multiplied with out in the same parallel region (no fork and join, no
+ * return to Python between the last layer and the logits), then token_ids[b] = kvs_argmax_rows of row
+ * b of the logits: the same kernels, with the same inputs, as the LM head module and the greedy
+ * sampler run (act must be the matmuls' dtype: out is their input as it is). */
+void kvs_argmax_rows(const void *x, int code, int64_t rows, int64_t n, int64_t *out);
+
 void kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void *x, const int64_t *positions,
                       const float *cos_t, const float *sin_t, const int64_t *slot_mapping,
                       const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
                       const void *final_norm, void *out, int B, int n, int H, int Hkv, int d, int I, float eps,
-                      float scale, int bs, int act, int cache_code, int num_threads) {
+                      float scale, int bs, int act, int cache_code, int num_threads, const void *lm_head,
+                      const void *lm_scales, int V, int64_t *token_ids) {
     const int W = (H + 2 * Hkv) * d, Kmax = n > I ? (n > H * d ? n : H * d) : (I > H * d ? I : H * d);
     const int mc = kind == 1 ? 3 : 4;  /* the matmuls' input and output dtype */
     const size_t es = mc == 3 ? sizeof(float) : sizeof(uint16_t);
@@ -358,7 +367,9 @@ void kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, voi
     char *qkv = h + es * B * n, *o = qkv + es * B * W, *a = o + es * hd, *gu = a + es * B * n;
     char *g = gu + es * B * 2 * I, *delta = g + es * B * I;
     void *o_in = mc == 3 ? (void *)of : (void *)o;  /* float32 attention output: the O matmul's input as is */
+    void *logits = lm_head ? malloc(es * (size_t)B * (size_t)V) : NULL;
 #pragma omp parallel num_threads(num_threads)
+    {
     for (int l = 0; l < L; l++) {
         const int64_t *p = layers + 14 * l;
         const void *w_qkv = (const void *)p[0], *w_o = (const void *)p[1];
@@ -380,7 +391,14 @@ void kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, voi
         silu_mul_team(gu, mc, g, mc, B, I, act);
         linear_team(kind, g, B, I, w_down, (const void *)p[13], n, delta, xsum);
     }
-    rms_norm_team(x, delta, mc, final_norm, norm_code, eps, out, act, B, n, act);
+    rms_norm_team(x, delta, mc, final_norm, norm_code, eps, out, act, B, n, act);  /* ends with a barrier */
+    if (lm_head) {
+        linear_team(kind, out, B, n, lm_head, lm_scales, V, logits, xsum);  /* ends with a barrier */
+#pragma omp for schedule(static)
+        for (int b = 0; b < B; b++) kvs_argmax_rows((const char *)logits + es * (size_t)b * V, mc, 1, V, token_ids + b);
+    }
+    }
+    free(logits);
     free(h);
     free(xsum);
     free(qf);

@@ -7,8 +7,10 @@ With sliding-window layers the layers form KV cache groups (kvserve/kv_cache/spe
 of every group uses the i-th pair of tensors (with its group's block ids), and each group gets its own
 AttentionMetadata; the model then receives one metadata per layer.
 Builds ``input_ids``, ``positions``, ``slot_mapping``, ``block_tables``, ``seq_lens`` and
-``query_start_loc``; computes logits only for sequences that sample this step. Decides nothing
-about who runs.
+``query_start_loc``; computes logits only for sequences that sample this step. A decode step whose
+rows all want the plain greedy token runs the model's ``greedy_decode`` where it has one (Llama: the
+LM head and argmax inside the decode plan's one C call) instead of forward + LM head + sampler.
+Decides nothing about who runs.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 from kvserve import memory
 from kvserve.attention import AttentionMetadata
 from kvserve.attention.kv_quant import QuantizedKVCache, kind_of_dtype
-from kvserve.engine.sampler import Sampler, SamplingRow, token_logprobs
+from kvserve.engine.sampler import Sampler, SamplingRow, plain_greedy, token_logprobs
 from kvserve.engine.scheduler import RunnerOutput, SchedulerOutput
 from kvserve.spec_decode.verify import verify
 from kvserve.kv_cache.spec import KVCacheSpec
@@ -60,23 +62,44 @@ class ModelRunner:
         if sched.is_empty:
             return RunnerOutput()
         input_ids, positions, meta, layer_meta = self._prepare(sched)
-        hidden = self.model(input_ids, positions, self.kv_caches, layer_meta)  # [T, hidden]
         out = RunnerOutput()
+        if self._fused_greedy(sched, input_ids, positions, layer_meta, out):
+            return out
+        hidden = self.model(input_ids, positions, self.kv_caches, layer_meta)  # [T, hidden]
         self._prompt_logprobs(sched, hidden, meta, out)
         self._verify(sched, hidden, meta, out)
         sample_idx = [i for i, s in enumerate(sched.scheduled) if s.sample and not s.spec_token_ids]
         if not sample_idx:
             return out
         if len(sample_idx) == hidden.shape[0]:  # a decode step: every row is a sequence's last token
-            logits = self.model.compute_logits(hidden)  # [N, vocab]
+            logits = self.model.compute_logits(hidden, float32=False)  # [N, vocab]; the sampler casts if needed
         else:
             last_token = meta.query_start_loc[1:] - 1  # [num_seqs] index of each sequence's last token
-            logits = self.model.compute_logits(hidden[last_token[sample_idx]])  # [N, vocab]
+            logits = self.model.compute_logits(hidden[last_token[sample_idx]], float32=False)  # [N, vocab]
         rows = [self._row(sched.scheduled[i].request) for i in sample_idx]
         result = self.sampler(logits, rows)
         for i, tok, lp in zip(sample_idx, result.token_ids, result.logprobs):
             out.sampled[sched.scheduled[i].request.request_id] = (tok, lp)
         return out
+
+    def _fused_greedy(self, sched: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor, layer_meta,
+                      out: RunnerOutput) -> bool:
+        """A decode step whose every row wants the plain greedy token (the argmax of the raw logits: no
+        logprobs, penalties, bias or min_tokens left) on a model that can take it with the LM head in its
+        decode step's one C call (``greedy_decode``): run it so and fill ``out``. False, with nothing run,
+        otherwise."""
+        greedy_decode = getattr(self.model, "greedy_decode", None)
+        if greedy_decode is None or not all(s.sample and s.num_scheduled_tokens == 1 and not s.spec_token_ids
+                                            and s.is_decoding for s in sched.scheduled):
+            return False
+        if not all(plain_greedy(self._row(s.request)) for s in sched.scheduled):
+            return False
+        token_ids = greedy_decode(input_ids, positions, self.kv_caches, layer_meta)
+        if token_ids is None:
+            return False
+        for s, tok in zip(sched.scheduled, token_ids):
+            out.sampled[s.request.request_id] = (tok, None)
+        return True
 
     def _prepare(self, sched: SchedulerOutput):
         ids: list[int] = []

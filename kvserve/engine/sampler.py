@@ -59,7 +59,7 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab_size], got {tuple(logits.shape)}")
-        if all(_plain_greedy(r) for r in rows):  # the common decode step: one argmax, nothing else
+        if all(plain_greedy(r) for r in rows):  # the common decode step: one argmax, nothing else
             return SamplerOutput(token_ids=greedy_token_ids(logits), logprobs=[None] * len(rows))
         raw = logits.float()
         in_place = any(r.params.logit_bias or len(r.output_token_ids) < r.params.min_tokens for r in rows)
@@ -97,7 +97,7 @@ def greedy_token_ids(logits: torch.Tensor) -> list[int]:
 _ARGMAX_CODES = {torch.float32: 3, torch.bfloat16: 4}
 
 
-def _plain_greedy(row: SamplingRow) -> bool:
+def plain_greedy(row: SamplingRow) -> bool:
     """Greedy with nothing that changes the logits or asks for logprobs: the argmax of the raw logits
     (an exact cast to float32 keeps the argmax and its lowest-id tie break)."""
     p = row.params

@@ -222,10 +222,15 @@ class DeepseekV2ForCausalLM(nn.Module):
             x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """[N, vocab_size] logits of hidden [N, hidden_size]: float32, or with ``float32=False`` in the LM
+        head's output dtype (bfloat16 for a packed or bfloat16 head), for a caller that casts only when
+        it needs to (the sampler; a greedy decode step's argmax takes bfloat16 as it is)."""
         if self.lm_head is None:  # tied
-            return linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def _routed_experts(self) -> list[RoutedExperts]:
         return [layer.mlp.experts for layer in self.layers if isinstance(layer.mlp, MoE)]

@@ -148,6 +148,18 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(rope, x, residual, kv_cache, m)
         return self.norm(x, residual)[0]
 
+    def greedy_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                      meta: AttentionMetadata | Sequence[AttentionMetadata]) -> list[int] | None:
+        """A decode step (every sequence one new token) and each sequence's greedy next token,
+        ``argmax(compute_logits(forward(...)))`` (the first maximum, or the first NaN), with the LM head in
+        the decode plan's one C call (:meth:`LlamaDecodePlan.greedy`). None, with nothing run, where that
+        path does not apply: then ``forward`` and ``compute_logits`` give the same ids."""
+        if (isinstance(meta, (list, tuple)) or meta.sliding_window or not self.use_decode_plan
+                or torch.compiler.is_compiling() or meta.num_decodes != meta.num_seqs):
+            return None
+        plan = self.decode_plan(kv_caches)
+        return None if plan is None else plan.greedy(input_ids, positions, per_token_decode_metadata(meta))
+
     def decode_plan(self, kv_caches: list[KVCache]) -> LlamaDecodePlan | None:
         """The flat decode loop for these caches, built on first use (the weights are final by then);
         None when some part has no kernel here."""
@@ -156,10 +168,15 @@ class LlamaForCausalLM(nn.Module):
             entry = self._plans[id(kv_caches)] = (kv_caches, LlamaDecodePlan.build(self, kv_caches))
         return entry[1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """[N, vocab_size] logits of hidden [N, hidden_size]: float32, or with ``float32=False`` in the LM
+        head's output dtype (bfloat16 for a packed or bfloat16 head), for a caller that casts only when
+        it needs to (the sampler; a greedy decode step's argmax takes bfloat16 as it is)."""
         if self.lm_head is None:  # tied
-            return linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def weight_rows(self, hf_name: str) -> tuple[str | None, int | None]:
         """(our parameter name, row offset in a fused matrix) for a checkpoint tensor name."""

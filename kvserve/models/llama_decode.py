@@ -15,6 +15,11 @@ modules' own ``forward``), in the same order, so the hidden states are bit-ident
 path (tested); only Python's per-op work is gone. Between two matmuls that stream weights from memory,
 every eager op's interpreter and dispatcher state is cold again, so a decode step's glue cost several
 times what it costs in a tight loop; this removes most of it.
+
+A plain greedy step (:meth:`LlamaDecodePlan.greedy`) also runs the LM head and the argmax in that one
+call when the head is of the layers' kind: the same kernels on the same input as ``compute_logits`` and
+the greedy sampler, so the same token ids (tested), without the return to Python, the head's own fork
+and join and the logits tensor in between.
 """
 from __future__ import annotations
 
@@ -101,6 +106,27 @@ class LlamaDecodePlan:
                      for w, sc, layer, (kc, vc, ks, vs, _) in zip(weights, scales, model.layers, ptrs)],
                     dtype=torch.int64)
 
+        # greedy(): the LM head in the same C call, where the module path would run the same kernel on the
+        # same input: a head of the layers' kind (float32: also the tied embedding), no bias, taking the
+        # last norm's output as it is (bfloat16 for int4 and int8, float32 for dense)
+        self.lm_head, self.lm_head_rows = None, 0  # (matrix, int8 row scales or None); rows below which it runs
+        self._lm_args = (None, None, 0)  # its C arguments: matrix and scales pointers, vocab rows
+        lm, rows = model.lm_head, 0
+        if lm is None or lm.bias is None:
+            if self.one_call_kind == 0 and act == KERNEL_DTYPE and isinstance(lm, Int4Linear) and lm.layout == "tiles":
+                self.lm_head, rows = (lm.packed, None), lm.dense_min_tokens
+            elif self.one_call_kind == 2 and act == KERNEL_DTYPE and isinstance(lm, Int8Linear):
+                self.lm_head, rows = (lm.qweight, lm.scales), lm.dense_min_tokens
+            elif self.one_call_kind == 1 and (lm is None or type(lm) is Linear):
+                w = self.embed if lm is None else lm.weight
+                if w.dtype == torch.float32 and w.is_contiguous():
+                    self.lm_head, rows = (w, None), self.one_call_rows
+        if self.lm_head is not None:
+            self.lm_head_rows = min(self.one_call_rows, rows)
+            self._pinned += [t for t in self.lm_head if t is not None]
+            w, sc = self.lm_head
+            vocab = self.embed.shape[0] if lm is None else lm.out_features
+            self._lm_args = (w.data_ptr(), None if sc is None else sc.data_ptr(), vocab)
         self._pinned_ptrs = [t.data_ptr() for t in self._pinned]
 
     @staticmethod
@@ -118,8 +144,30 @@ class LlamaDecodePlan:
         return LlamaDecodePlan(model, kv_caches, dll)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self._follow_storage()
+        return self._step(input_ids, positions, meta)
+
+    def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> list[int] | None:
+        """The step and each row's greedy next token (``kvs_argmax_rows`` of its logits: the first maximum,
+        or the first NaN), with the LM head in the same C call as the layers: the ids the module path's
+        ``compute_logits`` and the greedy sampler give, without returning to Python in between (SmolLM2
+        int4: ~0.5 ms of Python and a thread wake-up per step at 4096 tokens). None, with nothing run,
+        where the head has no kernel there (see ``lm_head``) or the step has too many rows for it."""
+        self._follow_storage()
+        B = input_ids.shape[0]
+        if self.lm_head is None or B >= self.lm_head_rows:
+            return None
+        token_ids = torch.empty(B, dtype=torch.int64)
+        self._step(input_ids, positions, meta, token_ids)
+        return token_ids.tolist()
+
+    def _follow_storage(self) -> None:
         if [t.data_ptr() for t in self._pinned] != self._pinned_ptrs:  # new weight storage: new pointers
             self.__init__(self.model, self.caches, self.dll)
+
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """token_ids: [B] int64 for the greedy tokens (the LM head in the one C call), or None."""
         dll, H, Hkv, d, n, inter, eps = self.dll, self.H, self.Hkv, self.d, self.hidden, self.inter, self.eps
         B = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)  # [B, hidden]: the residual stream, updated in place
@@ -131,7 +179,8 @@ class LlamaDecodePlan:
                                  x.data_ptr(), positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
                                  meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
                                  seq_lens.data_ptr(), self.final_norm.data_ptr(), out.data_ptr(), B, n, H, Hkv, d,
-                                 inter, eps, self.scale, self.block_size, act, cc, nt)
+                                 inter, eps, self.scale, self.block_size, act, cc, nt,
+                                 *((None, None, 0, None) if token_ids is None else (*self._lm_args, token_ids.data_ptr())))
             return out
         # matmul inputs in the dtype each layer multiplies in (bf16 for packed layers of a float32 model:
         # the kernels write the float32 result cast to bf16, as the layer would cast it)
