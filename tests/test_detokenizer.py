@@ -166,3 +166,26 @@ def test_update_after_stop_raises(tok):
     assert detok.update(ids, len(ids)) == "here"
     with pytest.raises(RuntimeError):
         detok.update(tok.encode(" x"), len(ids) + 1)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_backend_decode_is_the_tokenizers_own_decode(tok, skip):
+    """The detokenizer calls the Rust tokenizer's decode directly (this tokenizer does no space
+    clean-up), which must give what ``tok.decode`` gives: random ids, special tokens among them, and
+    byte pieces that end inside a UTF-8 character. A tokenizer that cleans up spaces keeps ``decode``."""
+    import copy
+    import random
+
+    from kvserve.engine.detokenizer import _backend_decode
+
+    fast = _backend_decode(tok)
+    assert fast is not None and not tok.clean_up_tokenization_spaces
+    rng = random.Random(3)
+    specials = list(tok.all_special_ids)
+    for _ in range(300):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 12))]
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))
+        assert fast(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+    cleaning = copy.copy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    assert _backend_decode(cleaning) is None
