@@ -236,6 +236,33 @@ def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias, kv_
         assert [x.top_logprobs for x in a.logprobs] == [x.top_logprobs for x in b.logprobs]  # exact
 
 
+@pytest.mark.parametrize("weight_dtype", ["int4", "float32"])
+def test_one_call_step_checks_the_token_ids_it_gathers(weight_dtype):
+    """The one-call step gathers the embedding rows in C: an id outside the table raises IndexError (as
+    F.embedding does) before anything runs, for the greedy path too, and leaves the KV cache as it was."""
+    if (int4_kernel() if weight_dtype == "int4" else gemv_kernel()) is None:
+        pytest.skip("kvserve's int4 kernel needs AVX512-BF16 and cc; the dense GEMV AVX-512 and cc")
+    from kvserve import SamplingParams
+    from kvserve.attention import AttentionMetadata
+    from tests.conftest import tiny_llm
+
+    llm = tiny_llm(dtype="bfloat16" if weight_dtype == "int4" else "float32", weight_dtype=weight_dtype)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))  # builds the plan
+    runner = llm.engine.runner
+    plan = runner.model.decode_plan(runner.kv_caches)
+    assert plan.one_call_layers is not None and plan.lm_head is not None
+    vocab = runner.model.config.vocab_size
+    meta = AttentionMetadata.build([[3]], [4], [1], runner.kv_spec.block_size)
+    before = [t.clone() for kv in runner.kv_caches for t in kv]
+    for bad in (vocab, -1):
+        with pytest.raises(IndexError, match="input_ids"):
+            plan(torch.tensor([bad]), torch.tensor([4]), meta)
+        with pytest.raises(IndexError, match="input_ids"):
+            plan.greedy(torch.tensor([bad]), torch.tensor([4]), meta)
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for kv in runner.kv_caches for t in kv]))
+    assert len(plan.greedy(torch.tensor([vocab - 1]), torch.tensor([4]), meta)) == 1
+
+
 @pytest.mark.parametrize("dtype,weight_dtype,tied", [("bfloat16", "int4", False), ("bfloat16", "bfloat16", True),
                                                     ("float32", "float32", False)])
 def test_compute_logits_without_the_float32_cast_is_the_same_values(dtype, weight_dtype, tied):

@@ -333,11 +333,14 @@ static void linear_team(int kind, const void *x, int64_t M, int K, const void *w
  * kvserve.models.llama_decode.LlamaDecodePlan's loop (norm, QKV, RoPE + KV write, attention, O, norm,
  * gate/up, SiLU, down), with barriers between them instead of a Python call, a fork and a join each.
  *
+ * x: [B, n] residual stream (act 3 or 4), updated in place; NULL: the rows input_ids [B] of embed [vocab, n]
+ * (act), gathered here into a buffer of its own (returns -1, running nothing, if an id is outside
+ * [0, vocab)). out: NULL for a greedy step (lm_head given), which needs only the token ids.
+ *
  * layers: [L, 14] pointers per layer: QKV, O, gate/up, down matrices; input and post-attention norm
  * weights (norm_code 3 or 4); key and value caches ([num_slots, Hkv, d] in cache_code 0-4); for 1-byte
  * caches (codes 0-2) their K and V scales [num_slots, Hkv] (else 0); for int8 matrices their row scales
- * (bfloat16 [N]; else 0), in the matrices' order. x: [B, n] residual stream (act 3 or 4), updated in
- * place; out: [B, n] final-norm hidden states (act). Matmul inputs and outputs are bfloat16 for int4 and
+ * (bfloat16 [N]; else 0), in the matrices' order. out: [B, n] final-norm hidden states (act). Matmul inputs and outputs are bfloat16 for int4 and
  * int8, as Int4Linear and Int8Linear take and return them, and float32 for dense ones (act 3).
  *
  * lm_head (NULL: none): a greedy step's LM head, a [V, n] matrix of the layers' kind (lm_scales: its row
@@ -347,7 +350,8 @@ static void linear_team(int kind, const void *x, int64_t M, int K, const void *w
  * sampler run (act must be the matmuls' dtype: out is their input as it is). */
 void kvs_argmax_rows(const void *x, int code, int64_t rows, int64_t n, int64_t *out);
 
-void kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void *x, const int64_t *positions,
+int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void *x, const void *embed,
+                      int64_t vocab, const int64_t *input_ids, const int64_t *positions,
                       const float *cos_t, const float *sin_t, const int64_t *slot_mapping,
                       const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
                       const void *final_norm, void *out, int B, int n, int H, int Hkv, int d, int I, float eps,
@@ -356,6 +360,15 @@ void kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, voi
     const int W = (H + 2 * Hkv) * d, Kmax = n > I ? (n > H * d ? n : H * d) : (I > H * d ? I : H * d);
     const int mc = kind == 1 ? 3 : 4;  /* the matmuls' input and output dtype */
     const size_t es = mc == 3 ? sizeof(float) : sizeof(uint16_t);
+    const size_t xs = (act == 3 ? sizeof(float) : sizeof(uint16_t)) * (size_t)n;  /* bytes of a row of x */
+    void *x_own = NULL, *out_own = NULL;
+    if (!x) {
+        for (int b = 0; b < B; b++)
+            if (input_ids[b] < 0 || input_ids[b] >= vocab) return -1;
+        x = x_own = malloc(xs * (size_t)B);
+        for (int b = 0; b < B; b++) memcpy((char *)x + xs * b, (const char *)embed + xs * input_ids[b], xs);
+    }
+    if (!out) out = out_own = malloc(xs * (size_t)B);
     const int64_t chunk = kvq_attention_chunk(seq_lens, B, bs, num_threads);
     int64_t *first = malloc(sizeof(int64_t) * (B + 1));
     const int64_t items = kvq_attention_items(seq_lens, B, chunk, first);
@@ -399,11 +412,14 @@ void kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, voi
     }
     }
     free(logits);
+    free(x_own);
+    free(out_own);
     free(h);
     free(xsum);
     free(qf);
     free(part);
     free(first);
+    return 0;
 }
 
 /* out[r] = the index torch.max(x[r], dim=-1) returns, for each row of x [rows, n] (code 3 float32, 4

@@ -48,6 +48,7 @@ class LlamaDecodePlan:
         self.hidden, self.inter, self.eps = cfg.hidden_size, cfg.intermediate_size, model.norm.eps
         self.scale = model.layers[0].self_attn.scale
         self.embed = model.embed_tokens.weight
+        self._embed_contiguous = self.embed.is_contiguous()
         self.cos, self.sin = model.rotary_emb.cos, model.rotary_emb.sin
         self.final_norm = model.norm.weight
         self.caches = kv_caches  # kept alive: the plan holds their data pointers
@@ -69,8 +70,8 @@ class LlamaDecodePlan:
         # tensors whose data pointers the plan holds as integers: kept alive here, and compared on each
         # call, so a parameter given new storage (``p.data = new``) rebuilds the plan instead of reading
         # freed memory
-        self._pinned = [n.weight for layer in model.layers for n in (layer.input_layernorm,
-                                                                       layer.post_attention_layernorm)]
+        self._pinned = [self.embed] + [n.weight for layer in model.layers for n in (layer.input_layernorm,
+                                                                                      layer.post_attention_layernorm)]
         norm_codes = {ACT_CODES[n.weight.dtype] for n in [model.norm] + [n for layer in model.layers
                       for n in (layer.input_layernorm, layer.post_attention_layernorm)]}
         linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -170,18 +171,25 @@ class LlamaDecodePlan:
         """token_ids: [B] int64 for the greedy tokens (the LM head in the one C call), or None."""
         dll, H, Hkv, d, n, inter, eps = self.dll, self.H, self.Hkv, self.d, self.hidden, self.inter, self.eps
         B = input_ids.shape[0]
-        x = F.embedding(input_ids, self.embed)  # [B, hidden]: the residual stream, updated in place
-        act, cc, nt = ACT_CODES[x.dtype], self.cache_code, torch.get_num_threads()
+        act, cc, nt = ACT_CODES[self.embed.dtype], self.cache_code, torch.get_num_threads()
         if self.one_call_layers is not None and B < self.one_call_rows:  # the loop below, in one C call
-            out = torch.empty_like(x)
+            # the C call gathers the embedding rows itself (checking the ids) where it can read the table
+            x = None if self._embed_contiguous and input_ids.is_contiguous() else F.embedding(input_ids, self.embed)
+            out = torch.empty(B, n, dtype=self.embed.dtype) if token_ids is None else None  # greedy: ids only
             tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
-            dll.kvs_llama_decode(self.one_call_layers.data_ptr(), len(self.layers), self.one_call_kind, self.norm_code,
-                                 x.data_ptr(), positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
-                                 meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0),
-                                 seq_lens.data_ptr(), self.final_norm.data_ptr(), out.data_ptr(), B, n, H, Hkv, d,
-                                 inter, eps, self.scale, self.block_size, act, cc, nt,
-                                 *((None, None, 0, None) if token_ids is None else (*self._lm_args, token_ids.data_ptr())))
+            rc = dll.kvs_llama_decode(self.one_call_layers.data_ptr(), len(self.layers), self.one_call_kind,
+                                      self.norm_code, None if x is None else x.data_ptr(), self.embed.data_ptr(),
+                                      self.embed.shape[0], input_ids.data_ptr(), positions.data_ptr(),
+                                      self.cos.data_ptr(), self.sin.data_ptr(), meta.slot_mapping.data_ptr(),
+                                      tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
+                                      self.final_norm.data_ptr(), None if out is None else out.data_ptr(), B, n, H,
+                                      Hkv, d, inter, eps, self.scale, self.block_size, act, cc, nt,
+                                      *((None, None, 0, None) if token_ids is None
+                                        else (*self._lm_args, token_ids.data_ptr())))
+            if rc:
+                raise IndexError(f"input_ids: a token id outside [0, {self.embed.shape[0]}) (the embedding's rows)")
             return out
+        x = F.embedding(input_ids, self.embed)  # [B, hidden]: the residual stream, updated in place
         # matmul inputs in the dtype each layer multiplies in (bf16 for packed layers of a float32 model:
         # the kernels write the float32 result cast to bf16, as the layer would cast it)
         bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
