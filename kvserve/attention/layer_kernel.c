@@ -340,8 +340,9 @@ static void linear_team(int kind, const void *x, int64_t M, int K, const void *w
  * layers: [L, 14] pointers per layer: QKV, O, gate/up, down matrices; input and post-attention norm
  * weights (norm_code 3 or 4); key and value caches ([num_slots, Hkv, d] in cache_code 0-4); for 1-byte
  * caches (codes 0-2) their K and V scales [num_slots, Hkv] (else 0); for int8 matrices their row scales
- * (bfloat16 [N]; else 0), in the matrices' order. out: [B, n] final-norm hidden states (act). Matmul inputs and outputs are bfloat16 for int4 and
- * int8, as Int4Linear and Int8Linear take and return them, and float32 for dense ones (act 3).
+ * (bfloat16 [N]; else 0), in the matrices' order. out: [B, n] final-norm hidden states (act). Matmul
+ * inputs and outputs are bfloat16 for int4 and int8, as Int4Linear and Int8Linear take and return them,
+ * and float32 for dense ones (act 3).
  *
  * lm_head (NULL: none): a greedy step's LM head, a [V, n] matrix of the layers' kind (lm_scales: its row
  * scales for int8, else NULL), multiplied with out in the same parallel region (no fork and join, no
@@ -351,12 +352,12 @@ static void linear_team(int kind, const void *x, int64_t M, int K, const void *w
 void kvs_argmax_rows(const void *x, int code, int64_t rows, int64_t n, int64_t *out);
 
 int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void *x, const void *embed,
-                      int64_t vocab, const int64_t *input_ids, const int64_t *positions,
-                      const float *cos_t, const float *sin_t, const int64_t *slot_mapping,
-                      const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
-                      const void *final_norm, void *out, int B, int n, int H, int Hkv, int d, int I, float eps,
-                      float scale, int bs, int act, int cache_code, int num_threads, const void *lm_head,
-                      const void *lm_scales, int V, int64_t *token_ids) {
+                     int64_t vocab, const int64_t *input_ids, const int64_t *positions,
+                     const float *cos_t, const float *sin_t, const int64_t *slot_mapping,
+                     const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
+                     const void *final_norm, void *out, int B, int n, int H, int Hkv, int d, int I, float eps,
+                     float scale, int bs, int act, int cache_code, int num_threads, const void *lm_head,
+                     const void *lm_scales, int V, int64_t *token_ids) {
     const int W = (H + 2 * Hkv) * d, Kmax = n > I ? (n > H * d ? n : H * d) : (I > H * d ? I : H * d);
     const int mc = kind == 1 ? 3 : 4;  /* the matmuls' input and output dtype */
     const size_t es = mc == 3 ? sizeof(float) : sizeof(uint16_t);
@@ -383,33 +384,34 @@ int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void
     void *logits = lm_head ? malloc(es * (size_t)B * (size_t)V) : NULL;
 #pragma omp parallel num_threads(num_threads)
     {
-    for (int l = 0; l < L; l++) {
-        const int64_t *p = layers + 14 * l;
-        const void *w_qkv = (const void *)p[0], *w_o = (const void *)p[1];
-        const void *w_gu = (const void *)p[2], *w_down = (const void *)p[3];
-        void *kc = (void *)p[6], *vc = (void *)p[7];
-        float *ks = (float *)p[8], *vs = (float *)p[9];
-        rms_norm_team(x, l ? delta : NULL, mc, (const void *)p[4], norm_code, eps, h, mc, B, n, act);
-        linear_team(kind, h, B, n, w_qkv, (const void *)p[10], W, qkv, xsum);
-        /* the queries as float32 holding the activation dtype's values, straight from RoPE */
-        rope_team(qkv, mc, W, positions, cos_t, sin_t, qf, NULL, kc, vc, ks, vs, slot_mapping, B, H, Hkv, d, act,
-                  cache_code, 3);
-        /* bfloat16 matmuls: the merge also stores each output row as bfloat16 (= the float32 result rounded
-         * to act, then to bfloat16: one rounding either way), saving a pass and a barrier */
-        kvq_decode_attention_team(qf, kc, vc, ks, vs, block_tables, bt_stride, seq_lens, of, B, H, Hkv, d, bs,
-                                  scale, cache_code, chunk, first, part, act == 4, mc == 4 ? (uint16_t *)o : NULL);
-        linear_team(kind, o_in, B, H * d, w_o, (const void *)p[11], n, a, xsum);
-        rms_norm_team(x, a, mc, (const void *)p[5], norm_code, eps, h, mc, B, n, act);
-        linear_team(kind, h, B, n, w_gu, (const void *)p[12], 2 * I, gu, xsum);
-        silu_mul_team(gu, mc, g, mc, B, I, act);
-        linear_team(kind, g, B, I, w_down, (const void *)p[13], n, delta, xsum);
-    }
-    rms_norm_team(x, delta, mc, final_norm, norm_code, eps, out, act, B, n, act);  /* ends with a barrier */
-    if (lm_head) {
-        linear_team(kind, out, B, n, lm_head, lm_scales, V, logits, xsum);  /* ends with a barrier */
+        for (int l = 0; l < L; l++) {
+            const int64_t *p = layers + 14 * l;
+            const void *w_qkv = (const void *)p[0], *w_o = (const void *)p[1];
+            const void *w_gu = (const void *)p[2], *w_down = (const void *)p[3];
+            void *kc = (void *)p[6], *vc = (void *)p[7];
+            float *ks = (float *)p[8], *vs = (float *)p[9];
+            rms_norm_team(x, l ? delta : NULL, mc, (const void *)p[4], norm_code, eps, h, mc, B, n, act);
+            linear_team(kind, h, B, n, w_qkv, (const void *)p[10], W, qkv, xsum);
+            /* the queries as float32 holding the activation dtype's values, straight from RoPE */
+            rope_team(qkv, mc, W, positions, cos_t, sin_t, qf, NULL, kc, vc, ks, vs, slot_mapping, B, H, Hkv, d, act,
+                      cache_code, 3);
+            /* bfloat16 matmuls: the merge also stores each output row as bfloat16 (= the float32 result rounded
+             * to act, then to bfloat16: one rounding either way), saving a pass and a barrier */
+            kvq_decode_attention_team(qf, kc, vc, ks, vs, block_tables, bt_stride, seq_lens, of, B, H, Hkv, d, bs,
+                                      scale, cache_code, chunk, first, part, act == 4, mc == 4 ? (uint16_t *)o : NULL);
+            linear_team(kind, o_in, B, H * d, w_o, (const void *)p[11], n, a, xsum);
+            rms_norm_team(x, a, mc, (const void *)p[5], norm_code, eps, h, mc, B, n, act);
+            linear_team(kind, h, B, n, w_gu, (const void *)p[12], 2 * I, gu, xsum);
+            silu_mul_team(gu, mc, g, mc, B, I, act);
+            linear_team(kind, g, B, I, w_down, (const void *)p[13], n, delta, xsum);
+        }
+        rms_norm_team(x, delta, mc, final_norm, norm_code, eps, out, act, B, n, act);  /* ends with a barrier */
+        if (lm_head) {
+            linear_team(kind, out, B, n, lm_head, lm_scales, V, logits, xsum);  /* ends with a barrier */
 #pragma omp for schedule(static)
-        for (int b = 0; b < B; b++) kvs_argmax_rows((const char *)logits + es * (size_t)b * V, mc, 1, V, token_ids + b);
-    }
+            for (int b = 0; b < B; b++)
+                kvs_argmax_rows((const char *)logits + es * (size_t)b * V, mc, 1, V, token_ids + b);
+        }
     }
     free(logits);
     free(x_own);
