@@ -71,6 +71,25 @@ def test_decode_steps_register_each_block_they_fill_once_and_again_after_preempt
     assert [b.block_hash for b in kv._blocks["r"][0][:6]] == expect[:6]
 
 
+def test_a_block_refused_as_a_duplicate_takes_the_hash_once_the_holder_is_evicted():
+    """Two requests with the same prompt admitted in the same step compute their own blocks; the first
+    one's take the hashes and the second's are refused. Once the first request's blocks are evicted,
+    the second's must take the hashes on a later step (found by the adversarial review: after
+    cache_full_blocks stopped walking the whole table, a later request missed the still-cached prefix)."""
+    kv = KVCacheManager(6, 4, enable_prefix_caching=True)
+    prompt = list(range(100, 108))
+    for r in "AB":
+        assert kv.get_computed_blocks(r, prompt + [1])[1] == 0
+        assert kv.allocate_slots(r, 9)
+    for r in "AB":
+        kv.cache_full_blocks(r, prompt + [1], 8)
+    kv.free("A")
+    assert kv.allocate_slots("C", 12)  # takes every free block: A's, with their hashes, are evicted
+    kv.free("C")
+    kv.cache_full_blocks("B", prompt + [1, 2], 9)  # a decode step of B that fills no block
+    assert kv.get_computed_blocks("D", prompt + [9])[1] == 8
+
+
 def test_hit_leaves_the_last_token_to_compute():
     kv = KVCacheManager(8, 4, enable_prefix_caching=True)
     ids = list(range(8))  # exactly two full blocks

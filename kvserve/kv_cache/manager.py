@@ -51,6 +51,9 @@ class KVCacheManager:
         # full blocks of the request offered to the prefix cache so far: a decode step offers only a block
         # it filled, instead of walking the whole table (a held block keeps its hash until it is freed)
         self._num_offered: dict[str, int] = {}
+        # offered blocks the cache refused (another block held the hash, e.g. the same prompt admitted in
+        # the same step): offered again on every step, so they take the hash once the holder is evicted
+        self._refused: dict[str, list[int]] = {}
         self.num_queried_tokens = 0  # prefix-cache lookups, in tokens
         self.num_hit_tokens = 0
 
@@ -145,14 +148,21 @@ class KVCacheManager:
             return
         blocks = self._blocks.get(request_id, [[]])[0]
         n_full = min(num_computed_tokens // self.block_size, len(blocks))
-        done = self._num_offered.get(request_id, 0)
-        if n_full <= done:  # a decode step that filled no block: nothing new (O(1), not O(context))
+        done, refused = self._num_offered.get(request_id, 0), self._refused.get(request_id, ())
+        if n_full <= done and not refused:  # a decode step that filled no block: O(1), not O(context)
             return
         hashes = self.block_hashes(request_id, token_ids, extra_keys, n_full)
-        for i in range(done, n_full):
+        still = []
+        for i in [*refused, *range(done, n_full)]:
             if blocks[i].block_hash is None:
                 self.pool.cache_block(blocks[i], hashes[i])
-        self._num_offered[request_id] = n_full
+                if blocks[i].block_hash is None:  # another block holds the hash: offer again next step
+                    still.append(i)
+        self._num_offered[request_id] = max(done, n_full)
+        if still:
+            self._refused[request_id] = still
+        else:
+            self._refused.pop(request_id, None)
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Free the request's tail blocks beyond those ``num_tokens`` slots need (rejected proposals)."""
@@ -167,6 +177,7 @@ class KVCacheManager:
         """Return all of the request's blocks (tail first). Unknown ids are ignored."""
         self._hashes.pop(request_id, None)
         self._num_offered.pop(request_id, None)
+        self._refused.pop(request_id, None)
         for blocks in self._blocks.pop(request_id, ()):
             self.pool.free_blocks([b for b in reversed(blocks) if b is not None])
 
