@@ -9,7 +9,7 @@ from kvserve.attention import AttentionMetadata, kv_quant_kernel
 from kvserve.attention.kv_quant import QuantizedKVCache
 from kvserve.models import fused_ops
 from kvserve.models.linear import gemv_kernel
-from kvserve.models.quant import int4_kernel
+from kvserve.models.quant import Int8Linear, int4_kernel
 from kvserve.models.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(kv_quant_kernel.load() is None, reason="no C compiler: kernels not built here")
@@ -261,6 +261,14 @@ def test_one_call_step_checks_the_token_ids_it_gathers(weight_dtype):
             plan.greedy(torch.tensor([bad]), torch.tensor([4]), meta)
     assert all(torch.equal(a, b) for a, b in zip(before, [t for kv in runner.kv_caches for t in kv]))
     assert len(plan.greedy(torch.tensor([vocab - 1]), torch.tensor([4]), meta)) == 1
+    # int32 ids (F.embedding takes them) are not read as int64 (found by the adversarial review)
+    meta2 = AttentionMetadata.build([[3], [4]], [4, 4], [1, 1], runner.kv_spec.block_size)
+    caches = [t.clone() for kv in runner.kv_caches for t in kv]
+    ids = torch.tensor([5, 9])
+    want = plan(ids, torch.tensor([4, 4]), meta2)
+    for a, b in zip(caches, [t for kv in runner.kv_caches for t in kv]):  # the same step again
+        b.copy_(a)
+    assert torch.equal(plan(ids.int(), torch.tensor([4, 4]), meta2), want)
 
 
 @pytest.mark.parametrize("dtype,weight_dtype,tied", [("bfloat16", "int4", False), ("bfloat16", "bfloat16", True),
@@ -281,14 +289,19 @@ def test_compute_logits_without_the_float32_cast_is_the_same_values(dtype, weigh
     assert torch.equal(raw.float(), full)
 
 
-@pytest.mark.parametrize("dtype,weight_dtype,tied,kv_dtype", [
-    ("bfloat16", "int4", False, "auto"), ("bfloat16", "int8", False, "int8"), ("float32", "float32", False, "auto"),
-    ("float32", "float32", True, "fp8_e4m3")])
-def test_greedy_step_with_the_lm_head_in_the_one_call_gives_the_sampler_tokens(dtype, weight_dtype, tied, kv_dtype):
+@pytest.mark.parametrize("dtype,weight_dtype,tied,kv_dtype,int8_head", [
+    ("bfloat16", "int4", False, "auto", False), ("bfloat16", "int8", False, "int8", False),
+    ("float32", "float32", False, "auto", False), ("float32", "float32", True, "fp8_e4m3", False),
+    ("float32", "int4", False, "auto", False), ("float32", "int8", False, "auto", False),
+    ("bfloat16", "int4", False, "auto", True), ("float32", "int4", False, "int8", True)])
+def test_greedy_step_with_the_lm_head_in_the_one_call_gives_the_sampler_tokens(dtype, weight_dtype, tied, kv_dtype,
+                                                                               int8_head):
     """A plain greedy decode step runs the LM head and the argmax inside the one C call
     (LlamaDecodePlan.greedy): the very tokens the plan's hidden states, the LM head module and the greedy
     sampler give. The tiny model's random weights give near-even logits, so any difference in the head's
-    rounding shows as a different token. A batch mixing a logprobs request keeps the sampler's path."""
+    rounding shows as a different token. Packed heads of a float32 model take their input rounded to
+    bfloat16, as the modules cast it; int8_head: an int8 head over int4 layers (a Q4_1 GGUF's Q8_0 head,
+    ``weight_dtype="auto"``). A batch mixing a logprobs request keeps the sampler's path."""
     if (int4_kernel() if weight_dtype == "int4" else gemv_kernel()) is None:
         pytest.skip("kvserve's int4 kernel needs AVX512-BF16 and cc; the dense GEMV AVX-512 and cc")
     from kvserve import SamplingParams
@@ -310,6 +323,8 @@ def test_greedy_step_with_the_lm_head_in_the_one_call_gives_the_sampler_tokens(d
         for name, p in runner.model.named_parameters():  # dummy norms are all ones: make each its own
             if "norm" in name:
                 p.data.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+        if int8_head:
+            runner.model.lm_head = Int8Linear(runner.model.lm_head.dequantize())
         if not fused:
             runner._fused_greedy = lambda *a: False
         calls = []

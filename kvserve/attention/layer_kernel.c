@@ -344,11 +344,12 @@ static void linear_team(int kind, const void *x, int64_t M, int K, const void *w
  * inputs and outputs are bfloat16 for int4 and int8, as Int4Linear and Int8Linear take and return them,
  * and float32 for dense ones (act 3).
  *
- * lm_head (NULL: none): a greedy step's LM head, a [V, n] matrix of the layers' kind (lm_scales: its row
- * scales for int8, else NULL), multiplied with out in the same parallel region (no fork and join, no
- * return to Python between the last layer and the logits), then token_ids[b] = kvs_argmax_rows of row
- * b of the logits: the same kernels, with the same inputs, as the LM head module and the greedy
- * sampler run (act must be the matmuls' dtype: out is their input as it is). */
+ * lm_head (NULL: none): a greedy step's LM head, a [V, n] matrix of kind lm_kind (as kind above; lm_scales:
+ * its row scales for int8, else NULL), multiplied with out in the same parallel region (no fork and join,
+ * no return to Python between the last layer and the logits), then token_ids[b] = kvs_argmax_rows of row
+ * b of the logits (bfloat16, float32 for a dense head): the same kernels, with the same inputs, as the LM
+ * head module and the greedy sampler run. A packed head (int4, int8) of a float32 model (act 3) takes out
+ * rounded to bfloat16, as Int4Linear and Int8Linear cast their input; a dense head needs act 3. */
 void kvs_argmax_rows(const void *x, int code, int64_t rows, int64_t n, int64_t *out);
 
 int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void *x, const void *embed,
@@ -357,7 +358,7 @@ int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void
                      const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
                      const void *final_norm, void *out, int B, int n, int H, int Hkv, int d, int I, float eps,
                      float scale, int bs, int act, int cache_code, int num_threads, const void *lm_head,
-                     const void *lm_scales, int V, int64_t *token_ids) {
+                     int lm_kind, const void *lm_scales, int V, int64_t *token_ids) {
     const int W = (H + 2 * Hkv) * d, Kmax = n > I ? (n > H * d ? n : H * d) : (I > H * d ? I : H * d);
     const int mc = kind == 1 ? 3 : 4;  /* the matmuls' input and output dtype */
     const size_t es = mc == 3 ? sizeof(float) : sizeof(uint16_t);
@@ -381,7 +382,11 @@ int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void
     char *qkv = h + es * B * n, *o = qkv + es * B * W, *a = o + es * hd, *gu = a + es * B * n;
     char *g = gu + es * B * 2 * I, *delta = g + es * B * I;
     void *o_in = mc == 3 ? (void *)of : (void *)o;  /* float32 attention output: the O matmul's input as is */
-    void *logits = lm_head ? malloc(es * (size_t)B * (size_t)V) : NULL;
+    const int lm_code = lm_kind == 1 ? 3 : 4;  /* the head's output dtype */
+    const size_t les = lm_code == 3 ? sizeof(float) : sizeof(uint16_t);
+    void *logits = lm_head ? malloc(les * (size_t)B * (size_t)V) : NULL;
+    /* a packed head of a float32 model: its bfloat16 input */
+    uint16_t *lm_in = lm_head && lm_code == 4 && act == 3 ? malloc(sizeof(uint16_t) * (size_t)B * n) : NULL;
 #pragma omp parallel num_threads(num_threads)
     {
         for (int l = 0; l < L; l++) {
@@ -407,13 +412,19 @@ int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void
         }
         rms_norm_team(x, delta, mc, final_norm, norm_code, eps, out, act, B, n, act);  /* ends with a barrier */
         if (lm_head) {
-            linear_team(kind, out, B, n, lm_head, lm_scales, V, logits, xsum);  /* ends with a barrier */
+            if (lm_in) {
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < (int64_t)B * n; i++) lm_in[i] = float_to_bf16(((const float *)out)[i]);
+            }
+            linear_team(lm_kind, lm_in ? (const void *)lm_in : out, B, n, lm_head, lm_scales, V, logits,
+                        xsum);  /* ends with a barrier */
 #pragma omp for schedule(static)
             for (int b = 0; b < B; b++)
-                kvs_argmax_rows((const char *)logits + es * (size_t)b * V, mc, 1, V, token_ids + b);
+                kvs_argmax_rows((const char *)logits + les * (size_t)b * V, lm_code, 1, V, token_ids + b);
         }
     }
     free(logits);
+    free(lm_in);
     free(x_own);
     free(out_own);
     free(h);

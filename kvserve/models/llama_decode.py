@@ -17,9 +17,9 @@ every eager op's interpreter and dispatcher state is cold again, so a decode ste
 times what it costs in a tight loop; this removes most of it.
 
 A plain greedy step (:meth:`LlamaDecodePlan.greedy`) also runs the LM head and the argmax in that one
-call when the head is of the layers' kind: the same kernels on the same input as ``compute_logits`` and
-the greedy sampler, so the same token ids (tested), without the return to Python, the head's own fork
-and join and the logits tensor in between.
+call when the head is int4 tiles, int8 rows or (float32 model) a dense float32 matrix: the same kernels on
+the same input as ``compute_logits`` and the greedy sampler, so the same token ids (tested), without the
+return to Python, the head's own fork and join and the logits tensor in between.
 """
 from __future__ import annotations
 
@@ -107,27 +107,31 @@ class LlamaDecodePlan:
                      for w, sc, layer, (kc, vc, ks, vs, _) in zip(weights, scales, model.layers, ptrs)],
                     dtype=torch.int64)
 
-        # greedy(): the LM head in the same C call, where the module path would run the same kernel on the
-        # same input: a head of the layers' kind (float32: also the tied embedding), no bias, taking the
-        # last norm's output as it is (bfloat16 for int4 and int8, float32 for dense)
+        # greedy(): the LM head in the same C call, where the module path would run one of the step's
+        # kernels on it, as its forward does: an int4-tiles or int8 head (bfloat16 input: the last norm's
+        # output, rounded to bfloat16 in a float32 model as the module casts it), or a dense float32 head
+        # of a float32 model (the tied embedding too); no bias. Its kind need not be the layers' (a
+        # GGUF's Q4_1 layers with its Q8_0 head: int4 and int8).
         self.lm_head, self.lm_head_rows = None, 0  # (matrix, int8 row scales or None); rows below which it runs
-        self._lm_args = (None, None, 0)  # its C arguments: matrix and scales pointers, vocab rows
-        lm, rows = model.lm_head, 0
-        if lm is None or lm.bias is None:
-            if self.one_call_kind == 0 and act == KERNEL_DTYPE and isinstance(lm, Int4Linear) and lm.layout == "tiles":
-                self.lm_head, rows = (lm.packed, None), lm.dense_min_tokens
-            elif self.one_call_kind == 2 and act == KERNEL_DTYPE and isinstance(lm, Int8Linear):
-                self.lm_head, rows = (lm.qweight, lm.scales), lm.dense_min_tokens
-            elif self.one_call_kind == 1 and (lm is None or type(lm) is Linear):
+        self._lm_args = (None, -1, None, 0)  # its C arguments: matrix pointer, kind, scales pointer, vocab rows
+        lm, rows, kind = model.lm_head, 0, -1
+        if self.one_call_kind >= 0 and (lm is None or lm.bias is None):
+            if isinstance(lm, Int4Linear) and lm.layout == "tiles" and act in (torch.bfloat16, torch.float32):
+                self.lm_head, rows, kind = (lm.packed, None), lm.dense_min_tokens, 0
+            elif (isinstance(lm, Int8Linear) and act in (torch.bfloat16, torch.float32)
+                  and gemv_kernel() is not None):
+                rows = min(lm.dense_min_tokens, GEMV_MAX_ROWS + 1)  # above: torch's int8 kernel or the dense copy
+                self.lm_head, kind = (lm.qweight, lm.scales), 2
+            elif act == torch.float32 and gemv_kernel() is not None and (lm is None or type(lm) is Linear):
                 w = self.embed if lm is None else lm.weight
                 if w.dtype == torch.float32 and w.is_contiguous():
-                    self.lm_head, rows = (w, None), self.one_call_rows
+                    self.lm_head, rows, kind = (w, None), GEMV_MAX_ROWS + 1, 1
         if self.lm_head is not None:
             self.lm_head_rows = min(self.one_call_rows, rows)
             self._pinned += [t for t in self.lm_head if t is not None]
             w, sc = self.lm_head
             vocab = self.embed.shape[0] if lm is None else lm.out_features
-            self._lm_args = (w.data_ptr(), None if sc is None else sc.data_ptr(), vocab)
+            self._lm_args = (w.data_ptr(), kind, None if sc is None else sc.data_ptr(), vocab)
         self._pinned_ptrs = [t.data_ptr() for t in self._pinned]
 
     @staticmethod
@@ -173,8 +177,10 @@ class LlamaDecodePlan:
         B = input_ids.shape[0]
         act, cc, nt = ACT_CODES[self.embed.dtype], self.cache_code, torch.get_num_threads()
         if self.one_call_layers is not None and B < self.one_call_rows:  # the loop below, in one C call
-            # the C call gathers the embedding rows itself (checking the ids) where it can read the table
-            x = None if self._embed_contiguous and input_ids.is_contiguous() else F.embedding(input_ids, self.embed)
+            # the C call gathers the embedding rows itself (checking the ids) where it can read the table and
+            # the ids as int64 (F.embedding also takes int32 ids)
+            gather = self._embed_contiguous and input_ids.dtype == torch.int64 and input_ids.is_contiguous()
+            x = None if gather else F.embedding(input_ids, self.embed)
             out = torch.empty(B, n, dtype=self.embed.dtype) if token_ids is None else None  # greedy: ids only
             tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
             rc = dll.kvs_llama_decode(self.one_call_layers.data_ptr(), len(self.layers), self.one_call_kind,
@@ -184,7 +190,7 @@ class LlamaDecodePlan:
                                       tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
                                       self.final_norm.data_ptr(), None if out is None else out.data_ptr(), B, n, H,
                                       Hkv, d, inter, eps, self.scale, self.block_size, act, cc, nt,
-                                      *((None, None, 0, None) if token_ids is None
+                                      *((None, -1, None, 0, None) if token_ids is None
                                         else (*self._lm_args, token_ids.data_ptr())))
             if rc:
                 raise IndexError(f"input_ids: a token id outside [0, {self.embed.shape[0]}) (the embedding's rows)")
