@@ -172,7 +172,8 @@ def test_update_after_stop_raises(tok):
 def test_backend_decode_is_the_tokenizers_own_decode(tok, skip):
     """The detokenizer calls the Rust tokenizer's decode directly (this tokenizer does no space
     clean-up), which must give what ``tok.decode`` gives: random ids, special tokens among them, and
-    byte pieces that end inside a UTF-8 character. A tokenizer that cleans up spaces keeps ``decode``."""
+    byte pieces that end inside a UTF-8 character. A tokenizer that cleans up spaces, or whose class
+    decodes in its own way, keeps ``decode``."""
     import copy
     import random
 
@@ -189,3 +190,6 @@ def test_backend_decode_is_the_tokenizers_own_decode(tok, skip):
     cleaning = copy.copy(tok)
     cleaning.clean_up_tokenization_spaces = True
     assert _backend_decode(cleaning) is None
+    own = copy.copy(tok)  # a class with its own _decode (as transformers' codegen and whisper have) keeps it
+    own.__class__ = type("OwnDecode", (type(tok),), {"_decode": lambda self, ids, **kw: "x"})
+    assert _backend_decode(own) is None

@@ -174,6 +174,13 @@ def _backend_decode(tokenizer):
         return None
     if not isinstance(backend, Tokenizer) or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return None
+    # a tokenizer class with a decode of its own (transformers' codegen and whisper tokenizers) keeps it
+    owners = {name: next((c.__module__ for c in type(tokenizer).__mro__ if name in vars(c)), "")
+              for name in ("decode", "_decode")}
+    if not (owners["decode"] == "transformers.tokenization_utils_base"
+            and owners["_decode"] in ("transformers.tokenization_utils_tokenizers",
+                                      "transformers.tokenization_utils_fast")):
+        return None
     return backend.decode
 
 
