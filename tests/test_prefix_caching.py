@@ -88,6 +88,16 @@ def test_a_block_refused_as_a_duplicate_takes_the_hash_once_the_holder_is_evicte
     kv.free("C")
     kv.cache_full_blocks("B", prompt + [1, 2], 9)  # a decode step of B that fills no block
     assert kv.get_computed_blocks("D", prompt + [9])[1] == 8
+    # a trim below offered blocks forgets their offers and refusals (the second review's case: a refused
+    # index past the trimmed table raised IndexError); the scheduler itself never trims that far
+    kv = KVCacheManager(8, 1, enable_prefix_caching=True)
+    for r in "ab":
+        assert kv.allocate_slots(r, 3)
+    for r in "ab":
+        kv.cache_full_blocks(r, [5, 6, 7], 3)  # b's three blocks refused
+    kv.trim("b", 1)
+    kv.cache_full_blocks("b", [5, 6, 7], 1)
+    assert kv._refused["b"] == [0] and kv._num_offered["b"] == 1
 
 
 def test_hit_leaves_the_last_token_to_compute():

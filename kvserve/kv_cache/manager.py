@@ -167,6 +167,13 @@ class KVCacheManager:
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Free the request's tail blocks beyond those ``num_tokens`` slots need (rejected proposals)."""
         keep = cdiv(num_tokens, self.block_size)
+        n_full = num_tokens // self.block_size  # full blocks left: their hashes and offers stand
+        if self._num_offered.get(request_id, 0) > n_full:
+            self._num_offered[request_id] = n_full
+            del self._hashes.get(request_id, [])[n_full:]
+            refused = [i for i in self._refused.pop(request_id, ()) if i < n_full]
+            if refused:
+                self._refused[request_id] = refused
         for blocks in self._blocks.get(request_id, ()):
             if len(blocks) > keep:
                 tail = [b for b in blocks[keep:] if b is not None]
