@@ -133,14 +133,10 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata | Sequence[AttentionMetadata]) -> torch.Tensor:
         """``meta``: one AttentionMetadata for all layers, or one per layer (sliding and full layers in
         separate KV cache groups, e.g. a Mistral/Qwen2 config with mixed ``layer_types``)."""
-        per_layer = isinstance(meta, (list, tuple))
-        if not per_layer and not meta.sliding_window and self.use_decode_plan and not torch.compiler.is_compiling() \
-                and (meta.num_decodes == meta.num_seqs or (meta.all_decoding and max(meta.query_lens_list)
-                                                           <= MAX_ROWS_PER_SEQ_ON_DECODE_PLAN)):
-            plan = self.decode_plan(kv_caches)
-            if plan is not None:
-                return plan(input_ids, positions, per_token_decode_metadata(meta))
-        metas = meta if per_layer else [meta] * len(self.layers)
+        plan = self._plan_for(kv_caches, meta, verify=True)
+        if plan is not None:
+            return plan(input_ids, positions, per_token_decode_metadata(meta))
+        metas = meta if isinstance(meta, (list, tuple)) else [meta] * len(self.layers)
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = (positions, self.rotary_emb.cos, self.rotary_emb.sin)
         residual = None
@@ -154,11 +150,21 @@ class LlamaForCausalLM(nn.Module):
         ``argmax(compute_logits(forward(...)))`` (the first maximum, or the first NaN), with the LM head in
         the decode plan's one C call (:meth:`LlamaDecodePlan.greedy`). None, with nothing run, where that
         path does not apply: then ``forward`` and ``compute_logits`` give the same ids."""
-        if (isinstance(meta, (list, tuple)) or meta.sliding_window or not self.use_decode_plan
-                or torch.compiler.is_compiling() or meta.num_decodes != meta.num_seqs):
+        plan = self._plan_for(kv_caches, meta, verify=False)
+        return None if plan is None else plan.greedy(input_ids, positions, meta)
+
+    def _plan_for(self, kv_caches: list[KVCache], meta: AttentionMetadata | Sequence[AttentionMetadata],
+                  verify: bool) -> LlamaDecodePlan | None:
+        """The decode plan where this step may run on it: one metadata for all layers, no sliding window,
+        every query one token (``verify``: or a speculative verification of up to
+        ``MAX_ROWS_PER_SEQ_ON_DECODE_PLAN`` tokens per sequence); else None."""
+        if isinstance(meta, (list, tuple)) or meta.sliding_window or not self.use_decode_plan \
+                or torch.compiler.is_compiling():
             return None
-        plan = self.decode_plan(kv_caches)
-        return None if plan is None else plan.greedy(input_ids, positions, per_token_decode_metadata(meta))
+        if meta.num_decodes != meta.num_seqs and not (
+                verify and meta.all_decoding and max(meta.query_lens_list) <= MAX_ROWS_PER_SEQ_ON_DECODE_PLAN):
+            return None
+        return self.decode_plan(kv_caches)
 
     def decode_plan(self, kv_caches: list[KVCache]) -> LlamaDecodePlan | None:
         """The flat decode loop for these caches, built on first use (the weights are final by then);
