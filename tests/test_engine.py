@@ -224,3 +224,53 @@ def test_one_token_prompt_chunks_count_as_prompt_tokens():
     prompts = [list(range(100, 117)), [42]]  # 17 tokens: chunks of 16 and 1; a 1-token prompt
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert sum(s.num_prefill_tokens for s in llm.engine.step_stats) == sum(len(o.prompt_token_ids) for o in outs) == 18
+
+
+def test_one_token_steps_reuse_input_tensors_holding_the_general_paths_values():
+    """Steps whose every row has one query token write their inputs into tensors kept from the last such
+    step (ModelRunner._prepare_one_token). Oracle: the general path (AttentionMetadata.build and a fresh
+    tensor) on the same step, compared field by field before the next step overwrites them. The batch
+    covers rows joining and leaving (requests of different lengths and max_tokens), block tables growing
+    past block boundaries, a one-token prompt alone (prefill: all_decoding False) and chunked prefills;
+    the tokens are those of a run with the reuse turned off."""
+    llm = tiny_llm(enable_prefix_caching=False, max_num_batched_tokens=16)
+    runner = llm.engine.runner
+    assert runner.reuse_decode_inputs
+    prompts = [[42], list(range(100, 117)), list(range(3, 18)), list(range(5, 37)), list(range(7, 9))]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 3, 20, 9, 60)]
+    orig, checked, buffers = runner._prepare, [], set()
+
+    def check(sched):
+        got = orig(sched)
+        if runner.reuse_decode_inputs and all(s.num_scheduled_tokens == 1 for s in sched.scheduled):
+            saved = [t.clone() for t in (got[0], got[1], got[2].slot_mapping, got[2].block_tables,
+                                         got[2].seq_lens, got[2].query_start_loc)]
+            runner.reuse_decode_inputs = False
+            try:
+                ref = orig(sched)
+            finally:
+                runner.reuse_decode_inputs = True
+            want = [ref[0], ref[1], ref[2].slot_mapping, ref[2].block_tables, ref[2].seq_lens, ref[2].query_start_loc]
+            assert all(torch.equal(a, b) for a, b in zip(saved, want)), "one-token inputs differ from the general path"
+            for f in ("seq_lens_list", "query_lens_list", "num_decodes", "block_size", "sliding_window",
+                      "all_decoding"):
+                assert getattr(got[2], f) == getattr(ref[2], f), f
+            assert (got[2].decode_mask is None) == (ref[2].decode_mask is None)
+            if ref[2].decode_mask is not None:
+                assert torch.equal(got[2].decode_mask, ref[2].decode_mask)
+            assert got[3] is got[2]
+            checked.append((len(sched.scheduled), got[2].block_tables.shape[1], got[2].all_decoding))
+            buffers.add(got[0].data_ptr())
+        return got
+
+    runner._prepare = check
+    alone = llm.generate([[42]], params[0])[0].outputs[0].token_ids  # its prefill: one row of one token
+    reused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    runner._prepare = orig
+    assert {c[0] for c in checked} >= {1, 2, 3, 4}  # rows joining and leaving
+    assert len({c[1] for c in checked}) >= 3  # tables of several widths
+    assert any(not c[2] for c in checked) and any(c[2] for c in checked)
+    assert len(buffers) < len(checked) / 2  # most steps reused the tensors of the step before
+    runner.reuse_decode_inputs = False
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reused
+    assert llm.generate([[42]], params[0])[0].outputs[0].token_ids == alone
