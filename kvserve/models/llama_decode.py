@@ -133,6 +133,8 @@ class LlamaDecodePlan:
             vocab = self.embed.shape[0] if lm is None else lm.out_features
             self._lm_args = (w.data_ptr(), kind, None if sc is None else sc.data_ptr(), vocab)
         self._pinned_ptrs = [t.data_ptr() for t in self._pinned]
+        self._token_ids = torch.empty(1, dtype=torch.int64)  # greedy(): the C call's output, [max B seen]
+        self._token_ids_np = self._token_ids.numpy()
 
     @staticmethod
     def build(model, kv_caches) -> "LlamaDecodePlan | None":
@@ -162,9 +164,11 @@ class LlamaDecodePlan:
         B = input_ids.shape[0]
         if self.lm_head is None or B >= self.lm_head_rows:
             return None
-        token_ids = torch.empty(B, dtype=torch.int64)
-        self._step(input_ids, positions, meta, token_ids)
-        return token_ids.tolist()
+        if self._token_ids.shape[0] < B:  # kept between steps: a fresh tensor costs ~35 µs on a cold step
+            self._token_ids = torch.empty(B, dtype=torch.int64)
+            self._token_ids_np = self._token_ids.numpy()
+        self._step(input_ids, positions, meta, self._token_ids[:B])
+        return self._token_ids_np[:B].tolist()
 
     def _follow_storage(self) -> None:
         if [t.data_ptr() for t in self._pinned] != self._pinned_ptrs:  # new weight storage: new pointers
