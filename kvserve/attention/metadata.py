@@ -56,26 +56,18 @@ class AttentionMetadata:
               block_size: int, device: torch.device | str = "cpu", sliding_window: int = 0) -> "AttentionMetadata":
         """From per-sequence block tables, cached-token counts and query lengths (decodes first);
         ``sliding_window`` > 0 for a group of sliding-window layers."""
-        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-        slots: list[int] = []
-        for table, ctx, q in zip(block_tables, context_lens, query_lens):
-            for pos in range(ctx, ctx + q):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-        max_blocks = max((len(t) for t in block_tables), default=0)
-        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
-        qsl = [0]
-        for q in query_lens:
-            qsl.append(qsl[-1] + q)
+        values, seq_lens = cls.flat_values(block_tables, context_lens, query_lens, block_size)
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
         # one host-to-tensor copy, four views: torch.tensor costs ~5 µs a call even for one int, and
         # several times that on a decode step, whose weights and KV bytes have just evicted the caches
-        flat = torch.tensor(slots + [i for t in padded for i in t] + seq_lens + qsl, dtype=torch.int64, device=device)
-        a = len(slots)  # flat = slots | tables | seq_lens | query_start_loc
-        b = a + len(padded) * max_blocks
+        flat = torch.tensor(values, dtype=torch.int64, device=device)
+        a = sum(query_lens)  # flat = slots | tables | seq_lens | query_start_loc
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        b = a + len(block_tables) * max_blocks
         c = b + len(seq_lens)
-        meta = cls(slot_mapping=flat[:a], block_tables=flat[a:b].view(len(padded), max_blocks),
+        meta = cls(slot_mapping=flat[:a], block_tables=flat[a:b].view(len(block_tables), max_blocks),
                    seq_lens=flat[b:c], query_start_loc=flat[c:], seq_lens_list=seq_lens,
                    query_lens_list=list(query_lens), num_decodes=num_decodes, block_size=block_size,
                    sliding_window=sliding_window)
@@ -84,6 +76,27 @@ class AttentionMetadata:
         else:
             meta.decode_mask = meta._build_decode_mask()
         return meta
+
+    @staticmethod
+    def flat_values(block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
+                    block_size: int) -> tuple[list[int], list[int]]:
+        """The values of slot_mapping, block_tables (padded with 0 to the longest), seq_lens and
+        query_start_loc, in that order as one list, and seq_lens."""
+        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+        values: list[int] = []
+        for table, ctx, q in zip(block_tables, context_lens, query_lens):
+            for pos in range(ctx, ctx + q):
+                values.append(table[pos // block_size] * block_size + pos % block_size)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        for t in block_tables:
+            values += t
+            if len(t) < max_blocks:
+                values += [0] * (max_blocks - len(t))
+        values += seq_lens
+        values.append(0)
+        for q in query_lens:
+            values.append(values[-1] + q)
+        return values, seq_lens
 
     def window_start(self, s: int) -> int:
         """First key position sequence ``s``'s first query sees (0 without a sliding window)."""

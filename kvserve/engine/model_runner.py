@@ -141,15 +141,8 @@ class ModelRunner:
         if buf is None or buf.shape != (B, M):
             buf = self._one_token_inputs = _OneTokenInputs(B, M)
         pos = [s.num_computed_tokens for s in rows]
-        vals = [i for s in rows for i in s.token_ids()] + pos
-        vals += [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
-        for t in tables:
-            vals += t
-            if len(t) < M:
-                vals += [0] * (M - len(t))
-        seq_lens = [p + 1 for p in pos]
-        vals += seq_lens
-        buf.array[:-(B + 1)] = vals  # query_start_loc (0 .. B) was written once
+        values, seq_lens = AttentionMetadata.flat_values(tables, pos, [1] * B, bs)
+        buf.array[:] = [i for s in rows for i in s.token_ids()] + pos + values
         meta = AttentionMetadata(slot_mapping=buf.slot_mapping, block_tables=buf.block_tables, seq_lens=buf.seq_lens,
                                  query_start_loc=buf.query_start_loc, seq_lens_list=seq_lens,
                                  query_lens_list=[1] * B, num_decodes=B, block_size=bs)
@@ -204,7 +197,6 @@ class _OneTokenInputs:
         self.shape = (B, M)
         flat = torch.zeros(5 * B + B * M + 1, dtype=torch.int64)
         self.array = flat.numpy()
-        self.array[-(B + 1):] = range(B + 1)
         self.input_ids, self.positions, self.slot_mapping = flat[:B], flat[B:2 * B], flat[2 * B:3 * B]
         self.block_tables = flat[3 * B:3 * B + B * M].view(B, M)
         self.seq_lens, self.query_start_loc = flat[3 * B + B * M:4 * B + B * M], flat[4 * B + B * M:]
