@@ -167,7 +167,7 @@ class LlamaDecodePlan:
         if self._token_ids.shape[0] < B:  # kept between steps: a fresh tensor costs ~35 µs on a cold step
             self._token_ids = torch.empty(B, dtype=torch.int64)
             self._token_ids_np = self._token_ids.numpy()
-        self._step(input_ids, positions, meta, self._token_ids[:B])
+        self._step(input_ids, positions, meta, self._token_ids)  # the C call writes the first B
         return self._token_ids_np[:B].tolist()
 
     def _follow_storage(self) -> None:
@@ -176,7 +176,7 @@ class LlamaDecodePlan:
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
               token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """token_ids: [B] int64 for the greedy tokens (the LM head in the one C call), or None."""
+        """token_ids: [≥ B] int64 for the greedy tokens (the LM head in the one C call), or None."""
         dll, H, Hkv, d, n, inter, eps = self.dll, self.H, self.Hkv, self.d, self.hidden, self.inter, self.eps
         B = input_ids.shape[0]
         act, cc, nt = ACT_CODES[self.embed.dtype], self.cache_code, torch.get_num_threads()
