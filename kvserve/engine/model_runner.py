@@ -131,8 +131,9 @@ class ModelRunner:
         the same values (``AttentionMetadata.flat_values``), all rewritten each step by one numpy copy into
         the tensors of the last such step with as many rows and block-table columns (vLLM keeps a
         persistent batch in the same spirit). Why: on a decode step, whose weight stream has just evicted
-        the caches, the general path's two ``torch.tensor`` calls and six views took 125-180 µs and this
-        takes 39-50 µs (SmolLM2 int4, batch 1, 128-4096 tokens, timed around ``_prepare``). The tensors are
+        the caches, the general path's two ``torch.tensor`` calls and six views took 125-260 µs and this
+        takes 39-90 µs, about a third (SmolLM2 int4, batch 1, 128-4096 tokens, timed around ``_prepare``,
+        three runs). The tensors are
         overwritten by the next such step: nothing may keep them past ``execute``."""
         rows = sched.scheduled
         bs = self.kv_spec.block_size
