@@ -345,7 +345,8 @@ def test_key_pass_on_bfloat16_queries_matches_quantized_reference(kind, head_dim
     """The decode step of a bfloat16 model over a 1-byte cache (queries hold bfloat16 values, q_bf16 = 1,
     as the one-call step passes them): where the CPU grants AMX (up to 4 queries per KV head, 16-row
     blocks) k_pass_amx_codes, on integer tiles for int8 with head_dim % 64 == 0 and on codes decoded to
-    bfloat16 for the rest, else k_pass_codes, against the reference over the same codes. Slots past each
+    bfloat16 for the rest, else k_pass_codes on AVX-512, else attend_chunk's own key loop, against the
+    reference over the same codes. Slots past each
     sequence's end hold NaN scales and code 0x7F (NaN in both fp8 formats): a 16-row group that lets one
     into a score turns the output NaN."""
     dll = kv_quant_kernel.load()
@@ -367,7 +368,8 @@ def test_key_pass_on_bfloat16_queries_matches_quantized_reference(kind, head_dim
         kc.codes[table[-1], (n + 1) - (len(table) - 1) * block_size:] = 0x7F
     code, G = kv_quant_kernel.CODES[kind], num_heads // num_kv_heads
     fits = dll.amx and G <= 4 and block_size % 16 == 0  # 5: int8 integer tiles, 4: codes decoded to bfloat16
-    want = (5 if kind == "int8" and head_dim % 64 == 0 else 4) if fits and head_dim % 32 == 0 else 1
+    avx512 = "avx512f" in kv_quant_kernel.cpu_features().split()  # k_pass_codes; without it the scalar pass (0)
+    want = (5 if kind == "int8" and head_dim % 64 == 0 else 4) if fits and head_dim % 32 == 0 else int(avx512)
     assert dll.kvq_key_pass(1, code, head_dim, G, block_size) == want
     bt, sl, out = meta.block_tables.contiguous(), meta.seq_lens.contiguous(), torch.empty_like(q)
     scale = head_dim ** -0.5
@@ -401,7 +403,8 @@ def test_int8_integer_key_pass_against_float64(head_dim, block_size, heads, lens
         pytest.skip("no C compiler: the kernel path is not built here")
     num_heads, num_kv_heads = heads
     G, code = num_heads // num_kv_heads, kv_quant_kernel.CODES["int8"]
-    assert dll.kvq_key_pass(q_bf16, code, head_dim, G, block_size) == (5 if dll.amx else 1)
+    avx512 = "avx512f" in kv_quant_kernel.cpu_features().split()  # k_pass_codes; without it the scalar pass (0)
+    assert dll.kvq_key_pass(q_bf16, code, head_dim, G, block_size) == (5 if dll.amx else int(avx512))
     g = torch.Generator().manual_seed(5)
     kc = QuantizedKVCache.zeros("int8", 300, block_size, num_kv_heads, head_dim)
     vc = QuantizedKVCache.zeros("int8", 300, block_size, num_kv_heads, head_dim)
