@@ -42,10 +42,17 @@ bench: setup
 
 # Peers for `kvserve bench latency --compare hf|llama.cpp` (optional; compiles llama.cpp, ~6-15 min).
 # ggml's -march=native build turns on AMX on Xeons that report it; that build crashed in llama_decode
-# on this project's VM, so the peer is built for AVX-512 (+VNNI/BF16) without AMX.
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
-	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+# on this project's VM, so the peer is built without AMX, with each other instruction set this CPU
+# reports in /proc/cpuinfo (AVX-512 + VNNI/BF16 on the Xeon, AVX2 on an AMD EPYC Zen 2: a build with
+# AVX-512 turned on dies there of an illegal instruction). pip keeps an installed llama-cpp-python and
+# caches built wheels by version, not by these flags: to rebuild, `.venv/bin/pip uninstall -y
+# llama-cpp-python && rm .venv/.installed-bench && PIP_NO_CACHE_DIR=1 make setup-bench`.
+cpu_has = $(if $(shell grep -m1 -w -o '$(1)' /proc/cpuinfo 2>/dev/null),ON,OFF)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=$(call cpu_has,avx) -DGGML_AVX2=$(call cpu_has,avx2) \
+	-DGGML_FMA=$(call cpu_has,fma) -DGGML_F16C=$(call cpu_has,f16c) -DGGML_BMI2=$(call cpu_has,bmi2) \
+	-DGGML_AVX512=$(call cpu_has,avx512f) -DGGML_AVX512_VBMI=$(call cpu_has,avx512_vbmi) \
+	-DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) \
+	-DGGML_AVX_VNNI=$(call cpu_has,avx_vnni) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 $(VENV)/.installed-bench: $(VENV)/.installed
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) -e '.[bench]'
 	touch $@
