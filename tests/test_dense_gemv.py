@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from kvserve.models.linear import GEMV_MAX_ROWS, Linear, gemv_kernel, linear, uses_gemv
 
-needs_kernel = pytest.mark.skipif(gemv_kernel() is None, reason="the dense GEMV needs AVX-512 and cc")
+needs_kernel = pytest.mark.skipif(gemv_kernel() is None, reason="the dense GEMV needs AVX-512 or AVX2, and cc")
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -241,7 +241,7 @@ def test_one_call_step_checks_the_token_ids_it_gathers(weight_dtype):
     """The one-call step gathers the embedding rows in C: an id outside the table raises IndexError (as
     F.embedding does) before anything runs, for the greedy path too, and leaves the KV cache as it was."""
     if (int4_kernel() if weight_dtype == "int4" else gemv_kernel()) is None:
-        pytest.skip("kvserve's int4 kernel needs AVX512-BF16 and cc; the dense GEMV AVX-512 and cc")
+        pytest.skip("kvserve's int4 kernel needs AVX512-BF16 or AVX2 and cc; the dense GEMV AVX-512 or AVX2 and cc")
     from kvserve import SamplingParams
     from kvserve.attention import AttentionMetadata
     from tests.conftest import tiny_llm
@@ -303,7 +303,7 @@ def test_greedy_step_with_the_lm_head_in_the_one_call_gives_the_sampler_tokens(d
     bfloat16, as the modules cast it; int8_head: an int8 head over int4 layers (a Q4_1 GGUF's Q8_0 head,
     ``weight_dtype="auto"``). A batch mixing a logprobs request keeps the sampler's path."""
     if (int4_kernel() if weight_dtype == "int4" else gemv_kernel()) is None:
-        pytest.skip("kvserve's int4 kernel needs AVX512-BF16 and cc; the dense GEMV AVX-512 and cc")
+        pytest.skip("kvserve's int4 kernel needs AVX512-BF16 or AVX2 and cc; the dense GEMV AVX-512 or AVX2 and cc")
     from kvserve import SamplingParams
     from kvserve.engine.model_runner import ModelRunner
     from kvserve.models.catalog import DUMMY_PRESETS
@@ -364,7 +364,7 @@ def test_one_call_decode_step_equals_the_flat_loop(dtype, weight_dtype, kv_dtype
     KV blocks; or one or two long sequences whose attention splits into several chunks) over several
     steps, and the same KV cache contents."""
     if (int4_kernel() if weight_dtype == "int4" else gemv_kernel()) is None:  # int8 and float32: the GEMV
-        pytest.skip("kvserve's int4 kernel needs AVX512-BF16 and cc; the dense GEMV AVX-512 and cc")
+        pytest.skip("kvserve's int4 kernel needs AVX512-BF16 or AVX2 and cc; the dense GEMV AVX-512 or AVX2 and cc")
     from kvserve import SamplingParams
     from tests.conftest import tiny_llm
 

@@ -82,14 +82,17 @@ def test_old_library_builds_are_pruned(tmp_path):
 
 
 @pytest.mark.parametrize("flags", ["-mno-avx512bf16 -mno-amx-tile -mno-amx-bf16 -mno-amx-int8", "-mno-avx512f",
-                                   "-mno-avx512bf16"], ids=["no-bf16-no-amx", "no-avx512", "amx-without-bf16"])
+                                   "-mno-avx512bf16", "-mno-avx2"],
+                         ids=["no-bf16-no-amx", "no-avx512", "amx-without-bf16", "no-avx2"])
 def test_library_loads_where_the_cpu_lacks_avx512_bf16_or_amx(tmp_path, flags):
     """load() declares every symbol it calls, so a library built for a CPU without AVX512-BF16 and AMX (or
-    without AVX-512) must still export them all: kvs_int4_gemm_min_rows was once defined only inside the
-    AVX512-BF16 section, and there load() raised AttributeError and every kernel path was lost; AMX
-    without AVX512-BF16 (a VM can show one and hide the other) failed the whole build. Built by
-    load() itself through a compiler wrapper that turns those features off (at -O0: this checks symbols,
-    not speed), in a fresh process with its own cache directory."""
+    without AVX-512, or AVX2) must still export them all: kvs_int4_gemm_min_rows was once defined only
+    inside the AVX512-BF16 section, and there load() raised AttributeError and every kernel path was lost;
+    AMX without AVX512-BF16 (a VM can show one and hide the other) failed the whole build. Without
+    AVX512-BF16 the int4 kernel is the AVX2 one (int8 x at every row count, no AMX) where the CPU has
+    AVX2, FMA and F16C, and there is none without AVX2. Built by load() itself through a compiler wrapper
+    that turns those features off (at -O0: this checks symbols, not speed), in a fresh process with its
+    own cache directory."""
     import shutil
     import subprocess
     import sys
@@ -105,7 +108,12 @@ def test_library_loads_where_the_cpu_lacks_avx512_bf16_or_amx(tmp_path, flags):
             "from kvserve.models.quant import int4_gemm_min_rows\n"
             "dll = kv_quant_kernel.load()\n"
             "assert dll is not None, 'no library'\n"
-            "assert dll.kvs_int4_supported() == 0 and int4_gemm_min_rows() is None\n"
+            "from kvserve.models.quant import int4_q8_max_rows\n"
+            "sup = dll.kvs_int4_supported()\n"
+            f"assert sup == 0 or {'-mno-avx2' not in flags}\n"
+            "assert dll.kvs_int4_amx_enable() == 0\n"
+            "assert (int4_gemm_min_rows() is None) == (sup == 0)\n"
+            "assert int4_q8_max_rows() == (2**31 - 1 if sup else 0), int4_q8_max_rows()\n"
             "assert dll.kvs_int4_gemm_min_rows() > 0\n")
     env = {**os.environ, "CC": str(wrapper), "KVSERVE_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("KVSERVE_NO_KV_KERNEL", None)

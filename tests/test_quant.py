@@ -12,10 +12,11 @@ import torch
 
 from kvserve.config import ConfigError, ModelConfig
 from kvserve.models.quant import (BlockQuant, Int4Linear, Int8Linear, gguf_block_quant, int4_kernel,
-                                  pack_int4_tiles, quantize_int4_minmax, quantize_model, reference_linear,
-                                  unpack_int4_tiles)
+                                  int4_q8_max_rows, pack_int4_tiles, quantize_int4_minmax, quantize_model,
+                                  reference_linear, unpack_int4_tiles)
 
-needs_int4_kernel = pytest.mark.skipif(int4_kernel() is None, reason="kvserve's int4 kernel needs AVX512-BF16 and cc")
+needs_int4_kernel = pytest.mark.skipif(int4_kernel() is None,
+                                       reason="kvserve's int4 kernel needs AVX512-BF16 or AVX2, and cc")
 
 
 
@@ -70,7 +71,7 @@ def test_packed_matmul_matches_float32_reference(kind, T):
     w = torch.randn(96, 352, generator=g)
     bias = torch.randn(96, generator=g)
     if kind == "int4" and int4_kernel() is None:
-        pytest.skip("kvserve's int4 kernel needs AVX512-BF16 and cc")
+        pytest.skip("kvserve's int4 kernel needs AVX512-BF16 or AVX2, and cc")
     layer = (Int4Linear(quantize_int4_minmax(w), bias, layout="tiles" if kind == "int4" else "torch")
              if kind.startswith("int4") else Int8Linear(w, bias))
     assert kind != "int4" or layer.layout == "tiles"
@@ -112,7 +113,10 @@ def test_int4_kernel_matches_torch_int4_kernel_on_the_same_weights():
     ours, theirs = Int4Linear(block, layout="tiles", dense_prefill=False), Int4Linear(block, layout="torch",
                                                                                         dense_prefill=False)
     assert torch.equal(ours.dequantize().to(torch.bfloat16), theirs.dequantize().to(torch.bfloat16))
-    for T in (8, 11, 17):  # up to 7 rows take int8 x (test_int4_few_rows_quantize_x_per_group_within_their_bound)
+    rows = [T for T in (8, 11, 17) if T > int4_q8_max_rows()]  # fewer take int8 x (the _q8_bound test)
+    if not rows:
+        pytest.skip("every row count takes int8 x on this CPU (the AVX2 kernel): see _q8_bound's tests")
+    for T in rows:
         x = torch.randn(T, 320, generator=g).to(torch.bfloat16)
         a, b = ours(x).float(), theirs(x).float()
         step = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 1e-6
@@ -136,13 +140,18 @@ def _q8_bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> torch.Tens
 
 
 @needs_int4_kernel
-@pytest.mark.parametrize("T", [1, 3, 7])  # 3: one partial block of four rows; 7: a full one and a partial one
+# 3: one partial block of four rows (AVX-512) or two (AVX2); 7: full blocks and a partial one; 8-33: the
+# AVX2 kernel's prefill-sized steps (it has no bfloat16 path)
+@pytest.mark.parametrize("T", [1, 3, 7, 8, 33])
 @pytest.mark.parametrize("case", ["gaussian", "outlier", "zero group", "tiny", "1e-37"])
 def test_int4_few_rows_quantize_x_per_group_within_their_bound(case, T):
-    """Up to 7 rows of x (decode batches) run on int8 activations (as llama.cpp's Q8_1): against the
-    float64 x·Wᵀ of the dequantized weights within _q8_bound, and the bound is a few percent of what a
-    code, scale or input-order error would cost (those break it by 10-100×). Groups with an outlier
-    (coarse steps for the rest), all zeros, and values near the bfloat16 minimum."""
+    """Up to int4_q8_max_rows() rows of x (7 on AVX512-VNNI: decode batches; every count on AVX2) run on
+    int8 activations (as llama.cpp's Q8_1): against the float64 x·Wᵀ of the dequantized weights within
+    _q8_bound, and the bound is a few percent of what a code, scale or input-order error would cost
+    (those break it by 10-100×). Groups with an outlier (coarse steps for the rest), all zeros, and values
+    near the bfloat16 minimum."""
+    if T > int4_q8_max_rows():
+        pytest.skip(f"{T} rows of x stay bfloat16 on this CPU's int4 kernel")
     g = torch.Generator().manual_seed(5 + T)
     w = torch.randn(96, 352, generator=g) * 0.1
     layer = Int4Linear(quantize_int4_minmax(w), layout="tiles", dense_prefill=False)

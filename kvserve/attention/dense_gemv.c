@@ -17,6 +17,7 @@
  * of the sums. K = 0 gives zeros.
  */
 #include <stdint.h>
+#include <string.h>
 
 #include "kernel_math.h"
 
@@ -108,6 +109,127 @@ void kvs_dense_linear_team(const void *x, int64_t M, int K, const void *w, int w
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t pf = b + ahead < blocks ? ahead * DENSE_ROWS * K : 0;  /* same row, `ahead` blocks on */
+        if (w_code == W_F32) dense_rows(w, W_F32, scales, x, 3, M, K, N, b * DENSE_ROWS, pf, y);
+        else dense_rows(w, W_I8, scales, x, 4, M, K, N, b * DENSE_ROWS, pf, y);
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* CPUs with AVX2 but no AVX-512 (AMD Zen 2, older Intel): the same arithmetic with each 16-lane sum held
+ * as two 8-lane halves (lane i still adds the products at k ≡ i mod 16, in increasing k), reduced in
+ * _mm512_reduce_add_ps's order (halves, then quarters, pairs, neighbours); one row of x per pass over a
+ * block of weight rows, so the block's 4·2 accumulators fit in the 16 ymm registers (more rows of x read
+ * the block again, from L1 or L2). */
+#include <immintrin.h>
+
+int kvs_dense_supported(void) { return 1; }
+
+/* 16 values from i on as two halves of float32; code 3 = float32, 4 = bfloat16, 0 = int8. Whole vectors
+ * only (the tail goes through a zero-padded copy). */
+static inline __attribute__((always_inline)) void load16(const void *p, int64_t i, int code, __m256 *lo, __m256 *hi) {
+    if (code == 3) {
+        *lo = _mm256_loadu_ps((const float *)p + i), *hi = _mm256_loadu_ps((const float *)p + i + 8);
+    } else if (code == 4) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16));
+        *hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
+    } else {
+        const __m128i b = _mm_loadu_si128((const __m128i *)((const int8_t *)p + i));
+        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)));
+    }
+}
+
+static inline float reduce16(__m256 lo, __m256 hi) {
+    const __m256 s8 = _mm256_add_ps(lo, hi);  /* lane i + lane i + 8 */
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+}
+
+/* R rows of W × MB rows of x (R·MB <= 4: the 2·R·MB accumulators and MB rows of x in ymm registers):
+ * the sums A in out[m * R + r]. pf: elements ahead to prefetch (0: none); es: bytes per weight */
+static inline __attribute__((always_inline)) void dense_block(const void *w, int wc, int es, const void *x, int xc,
+                                                             int64_t xs, int K, const int R, const int MB, int64_t pf,
+                                                             float *out) {
+    __m256 lo[4], hi[4];  /* [r * MB + m] */
+    for (int i = 0; i < R * MB; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 xl[2], xh[2];
+        for (int m = 0; m < MB; m++) load16(x, m * xs + k, xc, &xl[m], &xh[m]);
+        for (int r = 0; r < R; r++) {
+            if (pf && ((k * es) & 63) == 0) __builtin_prefetch((const char *)w + (r * (int64_t)K + k + pf) * es, 0, 3);
+            __m256 wl, wh;
+            load16(w, r * (int64_t)K + k, wc, &wl, &wh);
+            for (int m = 0; m < MB; m++) {
+                lo[r * MB + m] = _mm256_fmadd_ps(wl, xl[m], lo[r * MB + m]);
+                hi[r * MB + m] = _mm256_fmadd_ps(wh, xh[m], hi[r * MB + m]);
+            }
+        }
+    }
+    if (k < K) {  /* the tail through zero-padded copies: lanes beyond K add zero */
+        const int n = K - k, xes = xc == 3 ? 4 : 2;
+        __m256 xl[2], xh[2];
+        for (int m = 0; m < MB; m++) {
+            char xt[64] = {0};
+            memcpy(xt, (const char *)x + (m * xs + k) * xes, (size_t)n * xes);
+            load16(xt, 0, xc, &xl[m], &xh[m]);
+        }
+        for (int r = 0; r < R; r++) {
+            char wt[64] = {0};
+            memcpy(wt, (const char *)w + (r * (int64_t)K + k) * es, (size_t)n * es);
+            __m256 wl, wh;
+            load16(wt, 0, wc, &wl, &wh);
+            for (int m = 0; m < MB; m++) {
+                lo[r * MB + m] = _mm256_fmadd_ps(wl, xl[m], lo[r * MB + m]);
+                hi[r * MB + m] = _mm256_fmadd_ps(wh, xh[m], hi[r * MB + m]);
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < R; r++) out[m * R + r] = reduce16(lo[r * MB + m], hi[r * MB + m]);
+}
+
+/* One block of DENSE_ROWS weight rows for every row of x: four weight rows per pass for one row of x,
+ * two by two rows of x otherwise (each pass reads the block again, from L1). */
+static inline __attribute__((always_inline)) void dense_rows(const void *w, int wc, const uint16_t *scales,
+                                                            const void *x, int xc, int64_t M, int K, int N,
+                                                            int64_t n0, int64_t pf, void *y) {
+    const int es = wc == W_F32 ? 4 : 1, R = N - n0 < DENSE_ROWS ? (int)(N - n0) : DENSE_ROWS;
+    const int xes = xc == 3 ? 4 : 2;
+    float out[DENSE_ROWS * 2];
+    for (int64_t m0 = 0; m0 < M; m0 += 2) {
+        const int MB = M - m0 < 2 ? 1 : 2;
+        const void *xb = (const char *)x + m0 * K * xes;
+        const int64_t p = m0 ? 0 : pf;  /* prefetch while the first rows of x pass */
+        for (int r0 = 0; r0 < R; r0 += MB == 1 ? DENSE_ROWS : 2) {
+            const int Rb = MB == 1 ? R : (R - r0 < 2 ? R - r0 : 2);
+            const void *wb = (const char *)w + (n0 + r0) * K * es;
+            if (MB == 1 && Rb == 4) dense_block(wb, wc, es, xb, xc, K, K, 4, 1, p, out);
+            else if (MB == 1 && Rb == 3) dense_block(wb, wc, es, xb, xc, K, K, 3, 1, p, out);
+            else if (MB == 1 && Rb == 2) dense_block(wb, wc, es, xb, xc, K, K, 2, 1, p, out);
+            else if (MB == 1) dense_block(wb, wc, es, xb, xc, K, K, 1, 1, p, out);
+            else if (Rb == 2) dense_block(wb, wc, es, xb, xc, K, K, 2, 2, p, out);
+            else dense_block(wb, wc, es, xb, xc, K, K, 1, 2, p, out);
+            for (int m = 0; m < MB; m++)
+                for (int r = 0; r < Rb; r++) {
+                    const int64_t i = (m0 + m) * N + n0 + r0 + r;
+                    if (wc == W_F32) ((float *)y)[i] = out[m * Rb + r];
+                    else ((uint16_t *)y)[i] = float_to_bf16(out[m * Rb + r] * bf16_to_float(scales[n0 + r0 + r]));
+                }
+        }
+    }
+}
+
+void kvs_dense_linear_team(const void *x, int64_t M, int K, const void *w, int w_code, const uint16_t *scales, int N,
+                           void *y) {
+    const int64_t blocks = (N + DENSE_ROWS - 1) / DENSE_ROWS;
+    const int es = w_code == W_F32 ? 4 : 1;
+    int64_t ahead = K > 0 ? DENSE_PREFETCH / ((int64_t)DENSE_ROWS * K * es) : 1;  /* blocks */
+    if (ahead < 1) ahead = 1;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t pf = b + ahead < blocks ? ahead * DENSE_ROWS * K : 0;
         if (w_code == W_F32) dense_rows(w, W_F32, scales, x, 3, M, K, N, b * DENSE_ROWS, pf, y);
         else dense_rows(w, W_I8, scales, x, 4, M, K, N, b * DENSE_ROWS, pf, y);
     }

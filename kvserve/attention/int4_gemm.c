@@ -540,6 +540,148 @@ void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int
     free(xsum);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* CPUs with AVX2 but no AVX-512 (AMD Zen 2, older Intel): every row count on int8 x, as int4_tile_q8
+ * above but with 256-bit vectors and no VNNI (llama.cpp's AVX2 Q4_1 × Q8_1 dot product does the
+ * same): vpmaddubsw multiplies the unsigned 4-bit codes by the signed int8 x and adds pairs into int16
+ * (|sum| ≤ 2·15·127; eight such pairs per group and row stay within int16: 8·3810 < 32767, exact), one
+ * vpmaddwd per 8 weight rows and group widens them to int32. The same codes, scales and arithmetic as
+ * int4_tile_q8, so the same error bound against the dequantized float32 matmul. There is no bfloat16
+ * path here: prefill steps of dense_min_tokens rows or more run on the layer's bfloat16 copy. */
+#include <immintrin.h>
+
+int kvs_int4_supported(void) { return 1; }
+int kvs_int4_amx_enable(void) { return 0; }
+int kvs_amx_granted(void) { return 0; }
+
+#define INT4_Q8 1
+#undef INT4_Q8_MAX_ROWS
+#define INT4_Q8_MAX_ROWS INT32_MAX /* every row count */
+
+static inline __m256 bf16x8_to_ps(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* quantize_group_q8 of the AVX-512 section, bit for bit: the same d, rounding and code order. */
+static inline __attribute__((always_inline)) void quantize_group_q8(const uint16_t *x, int8_t *xq, float *dx,
+                                                                    float *cx) {
+    __m256 v[4], amax = _mm256_setzero_ps();
+    int bad = 0;
+    const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(INFINITY);
+    for (int i = 0; i < 4; i++) {
+        v[i] = bf16x8_to_ps(x + 8 * i);
+        const __m256 a = _mm256_andnot_ps(sign, v[i]);
+        bad |= _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q), _mm256_cmp_ps(a, inf, _CMP_EQ_OQ)));
+        amax = _mm256_max_ps(amax, a);
+    }
+    const float m = hmax8(amax), d0 = m / 127.f;
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) {
+        __m256 s;
+        if (m >= 0x1p-64f && !bad) s = _mm256_mul_ps(v[i], _mm256_set1_ps(127.f / m));
+        else if (d0 > 0.f && !bad) s = _mm256_div_ps(v[i], _mm256_set1_ps(d0));
+        else s = _mm256_setzero_ps();  /* all zeros (or a NaN / infinity: d is NaN below) */
+        q[i] = _mm256_cvtps_epi32(s);  /* nearest even, as _mm512_cvtps_epi32 */
+    }
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    /* packs interleave per 128-bit lane: the bytes come out as dwords [a0-3 b0-3 c0-3 d0-3 a4-7 b4-7 c4-7
+     * d4-7] of the four groups of eight; put them back in order, each eight as 0, 4, 1, 5, 2, 6, 3, 7 */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i p[4];
+    for (int i = 0; i < 4; i++) p[i] = _mm256_permutevar8x32_epi32(q[i], order);
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(p[0], p[1]), _mm256_packs_epi32(p[2], p[3]));
+    _mm256_storeu_si256((__m256i *)xq, _mm256_permutevar8x32_epi32(b, order));
+    const float d = bad ? NAN : d0;
+    *dx = d;
+    *cx = d * (float)_mm_cvtsi128_si32(s4);
+}
+
+/* MB (<= 2) rows of x times one tile of 16 weight rows, as int4_tile_q8: out[m][0..16) float32. A chunk's
+ * 16 dwords (one per weight row) are two 256-bit halves, rows 0-7 and 8-15. */
+static inline __attribute__((always_inline)) void int4_tile_q8(const uint16_t *rec, int G, const int8_t *xq, int K,
+                                                               const float *dx, const float *cx, float *out,
+                                                               const int MB) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 y[2][2];
+    for (int m = 0; m < MB; m++) y[m][0] = y[m][1] = _mm256_setzero_ps();
+    for (int g = 0; g < G; g++, rec += INT4_RECORD) {
+        for (int l = 0; l < INT4_RECORD * 2; l += 64) __builtin_prefetch((const char *)(rec + INT4_PREFETCH) + l, 0, 3);
+        __m256i s[2][2];
+        for (int m = 0; m < MB; m++) s[m][0] = s[m][1] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++)
+            for (int half = 0; half < 2; half++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 32 * c + 16 * half));
+                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int m = 0; m < MB; m++) {
+                    const int32_t *quads = (const int32_t *)(xq + (int64_t)m * K + 32 * g);
+                    s[m][half] = _mm256_add_epi16(s[m][half], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(quads[2 * c])));
+                    s[m][half] = _mm256_add_epi16(s[m][half], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(quads[2 * c + 1])));
+                }
+            }
+        for (int half = 0; half < 2; half++) {
+            const __m256 scale = bf16x8_to_ps(rec + 128 + 8 * half), zero = bf16x8_to_ps(rec + 144 + 8 * half);
+            const __m256 zz = _mm256_fnmadd_ps(scale, _mm256_set1_ps(8.f), zero);
+            for (int m = 0; m < MB; m++) {
+                const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[m][half], ones));
+                y[m][half] = _mm256_fmadd_ps(f, _mm256_mul_ps(scale, _mm256_set1_ps(dx[m * G + g])), y[m][half]);
+                y[m][half] = _mm256_fmadd_ps(zz, _mm256_set1_ps(cx[m * G + g]), y[m][half]);
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++) {
+        _mm256_storeu_ps(out + 16 * m, y[m][0]);
+        _mm256_storeu_ps(out + 16 * m + 8, y[m][1]);
+    }
+}
+
+static inline void store_rows(const float *out, int rows, int64_t m0, int64_t N, int t, void *y, int out_code) {
+    for (int m = 0; m < rows; m++) {
+        const int64_t base = (m0 + m) * N + 16 * (int64_t)t;
+        if (out_code == 3) memcpy((float *)y + base, out + 16 * m, 16 * sizeof(float));
+        else
+            for (int i = 0; i < 16; i++) ((uint16_t *)y)[base + i] = float_to_bf16(out[16 * m + i]);
+    }
+}
+
+/* As the AVX-512 section's kvs_int4_linear_team, every row count on int8 x, two rows per pass over a tile. */
+void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
+                          float *xsum) {
+    const int G = K / 32, tiles = N / 16;
+    int8_t *xq = (int8_t *)xsum;
+    float *dx = xsum + M * K / 4, *cx = dx + M * G;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M * G; i++)
+        quantize_group_q8(x + (i / G) * K + 32 * (i % G), xq + (i / G) * K + 32 * (i % G), dx + i, cx + i);
+    float out[2 * 16];
+#pragma omp for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        const uint16_t *rec = w + (int64_t)t * G * INT4_RECORD;
+        for (int64_t m0 = 0; m0 < M; m0 += 2) {
+            const int mb = M - m0 < 2 ? 1 : 2;
+            if (mb == 2) int4_tile_q8(rec, G, xq + m0 * K, K, dx + m0 * G, cx + m0 * G, out, 2);
+            else int4_tile_q8(rec, G, xq + m0 * K, K, dx + m0 * G, cx + m0 * G, out, 1);
+            store_rows(out, mb, m0, N, t, y, out_code);
+        }
+    }
+}
+
+void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
+                     int num_threads) {
+    float *xsum = malloc(sizeof(float) * (size_t)kvs_int4_scratch_floats(M, K));
+#pragma omp parallel num_threads(num_threads) if (N / 16 >= 8)
+    kvs_int4_linear_team(x, M, K, w, N, y, out_code, xsum);
+    free(xsum);
+}
+
 #else
 
 int kvs_int4_supported(void) { return 0; }
@@ -559,3 +701,14 @@ void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int
 }
 
 #endif
+
+/* Rows of x up to which the int4 kernel multiplies int8 x (quantize_group_q8): 7 with AVX512-VNNI, every
+ * row count on the AVX2 path, 0 where there is no int8 path (x stays bfloat16). Asked by
+ * kvserve.models.quant.int4_q8_max_rows. */
+int kvs_int4_q8_max_rows(void) {
+#ifdef INT4_Q8
+    return INT4_Q8_MAX_ROWS;
+#else
+    return 0;
+#endif
+}

@@ -120,6 +120,8 @@ def load() -> ctypes.CDLL | None:
     dll.kvs_int4_amx_enable.argtypes = []
     dll.kvs_int4_gemm_min_rows.argtypes = []
     dll.kvs_int4_gemm_min_rows.restype = i32
+    dll.kvs_int4_q8_max_rows.argtypes = []
+    dll.kvs_int4_q8_max_rows.restype = i32
     dll.kvs_prefill_attention.argtypes = [p, i64, p, i64, p, i64, p, i64, i64, i32, i32, i32, f32, i32]
     dll.kvs_prefill_attention_supported.argtypes = [i32]
     dll.kvs_prefill_attention_supported.restype = i32

@@ -26,7 +26,7 @@ GEMV_MAX_ROWS = 32  # up to this many rows the kernel beats MKL on SmolLM2's mat
 
 @functools.cache
 def gemv_kernel():
-    """The compiled library when the dense GEMV runs here (AVX-512 CPU, C compiler), else None."""
+    """The compiled library when the dense GEMV runs here (an AVX-512 or AVX2 CPU, a C compiler), else None."""
     from kvserve.attention import kv_quant_kernel
     dll = kv_quant_kernel.load()
     return dll if dll is not None and dll.kvs_dense_supported() else None

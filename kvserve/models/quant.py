@@ -42,8 +42,11 @@ KERNEL_DTYPE = torch.bfloat16
 # few rows, so their time grows with the rows (SmolLM2's 30 layers, kvserve's int4 kernel on AVX512-BF16
 # alone: 3.6 ms at 1 row, 10 at 4, 13 at 8, 19 at 12, 25 at 16), while a bf16 GEMM (AMX / AVX512-BF16)
 # stays near its weight-read time (~15-17 ms at 1-16 rows with the copy prepacked in oneDNN's blocked
-# layout, ~23 ms unpacked; 4-10x faster than int4 at 256+ rows). The copy is prepacked when oneDNN has
-# bf16 here (the crossover is then ~12 rows), else plain.
+# layout, ~23 ms unpacked; 4-10x faster than int4 at 256+ rows). The copy is prepacked in oneDNN's
+# layout (the crossover is then ~12 rows). Where oneDNN has no bf16 (an AVX2 CPU without AVX-512) there
+# is no copy: a plain bf16 matmul there is 4-40x slower than the packed kernels at every row count (Zen 2,
+# 512 rows of SmolLM2's 3072 × 576 gate/up: 2195 ms on the copy, 52 ms on PyTorch's int4 kernel; int8:
+# 180 ms vs 41), so every step takes the packed kernel.
 MKLDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 DENSE_MIN_TOKENS = 12 if MKLDNN_BF16 else 32
 # Where kvserve's int4 kernel has AMX there is no copy: up to INT4_GEMM_MIN_ROWS - 1 rows one tile
@@ -114,7 +117,8 @@ class PackedLinear(nn.Module):
     """``y = x·Wᵀ + b`` with W packed; subclasses give the kernel (``_packed_mm``), ``dequantize`` and
     ``weight_nbytes``. x: [..., in_features] any float dtype → y: [..., out_features] in x's dtype.
     Steps of ≥ ``dense_min_tokens`` rows (``DENSE_MIN_TOKENS`` unless the kernel says otherwise) multiply
-    with ``dense``, a bfloat16 copy of ``dequantize()``."""
+    with ``dense``, a bfloat16 copy of ``dequantize()``, where oneDNN has bfloat16 here (elsewhere there
+    is no copy and ``dense_min_tokens`` is ``sys.maxsize``)."""
 
     dense_min_tokens = DENSE_MIN_TOKENS
 
@@ -125,8 +129,10 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.register_buffer("dense", None, persistent=False)
         self.dense_prepacked = False
-        if dense_prefill:
-            self.set_dense(prepack=MKLDNN_BF16)
+        if dense_prefill and MKLDNN_BF16:
+            self.set_dense(prepack=True)
+        elif not MKLDNN_BF16:  # no copy (see DENSE_MIN_TOKENS): every row count on the packed kernel
+            self.dense_min_tokens = sys.maxsize
 
     def set_dense(self, prepack: bool) -> None:
         """(Re)build ``dense``, the bfloat16 copy of ``dequantize()`` [N, K] for steps of many rows;
@@ -166,7 +172,8 @@ INT4_RECORD = 160  # uint16 per (16-row tile, 32-input group) record of the kvse
 
 @functools.cache
 def int4_kernel():
-    """The compiled library when kvserve's int4 kernel runs here (AVX512-BF16 CPU, C compiler), else None."""
+    """The compiled library when kvserve's int4 kernel runs here (a CPU with AVX512-BF16, or AVX2 with FMA
+    and F16C, and a C compiler), else None."""
     from kvserve.attention import kv_quant_kernel
     dll = kv_quant_kernel.load()
     return dll if dll is not None and dll.kvs_int4_supported() else None
@@ -178,6 +185,14 @@ def int4_gemm_min_rows() -> int | None:
     where the int4 kernel does not run."""
     dll = int4_kernel()
     return None if dll is None else int(dll.kvs_int4_gemm_min_rows())
+
+
+def int4_q8_max_rows() -> int:
+    """Rows of x up to which the int4 kernel quantizes x to int8 per group of 32 inputs (int4_gemm.c's
+    INT4_Q8_MAX_ROWS, asked of the library): 7 on AVX512-VNNI, every row count on the AVX2 path (which
+    has no bfloat16 one), 0 where the kernel keeps x in bfloat16 or does not run."""
+    dll = int4_kernel()
+    return 0 if dll is None else int(dll.kvs_int4_q8_max_rows())
 
 
 def pack_int4_tiles(codes: np.ndarray, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -232,11 +247,13 @@ class Int4Linear(PackedLinear):
     (0.625 B per weight); ``w = (q − 8)·scale + zero``. Kernel: kvserve's ``kvs_int4_linear`` on the
     tile layout of :func:`pack_int4_tiles` where :func:`int4_kernel` is available (``layout == "tiles"``),
     else ``torch._weight_int4pack_mm_for_cpu`` on its own packing (``layout == "torch"``). The tile
-    kernel multiplies bfloat16 x, except up to 7 rows (decode steps of small batches) on a CPU with
-    AVX512-VNNI: each row is quantized to int8 per group of 32 inputs (scale max|x| / 127, as llama.cpp's
-    Q8_1) and multiplied in integers (error ≤ scale / 2 per input; see int4_gemm.c). Where the kernel has
+    kernel multiplies bfloat16 x, except up to :func:`int4_q8_max_rows` rows (7, decode steps of small
+    batches, on a CPU with AVX512-VNNI; every row count on an AVX2 CPU without AVX-512): each row is
+    quantized to int8 per group of 32 inputs (scale max|x| / 127, as llama.cpp's Q8_1) and multiplied in
+    integers (error ≤ scale / 2 per input; see int4_gemm.c). Where the kernel has
     AMX it takes every row count and the layer holds no bfloat16 copy: from :func:`int4_gemm_min_rows` rows it
-    multiplies by the weights rounded to bfloat16 (the copy's weights) in an AMX GEMM."""
+    multiplies by the weights rounded to bfloat16 (the copy's weights) in an AMX GEMM. The AVX2 kernel also
+    takes every row count (int8 x), with no copy."""
 
     def __init__(self, block: BlockQuant, bias: torch.Tensor | None = None, dense_prefill: bool = True,
                  layout: str | None = None):
@@ -255,10 +272,14 @@ class Int4Linear(PackedLinear):
                              f"take rows in tiles of 16), got N={n}")
         self.layout = layout or ("tiles" if int4_kernel() is not None else "torch")
         if self.layout == "tiles" and int4_kernel() is None:
-            raise ValueError("layout='tiles' needs kvserve's int4 kernel (AVX512-BF16 CPU and a C compiler)")
+            raise ValueError("layout='tiles' needs kvserve's int4 kernel (an AVX512-BF16 or AVX2 CPU and a C "
+                             "compiler)")
         if self.layout == "tiles":
             self.register_buffer("packed", pack_int4_tiles(block.codes, scale.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)))
-            if int4_kernel().amx:  # every row count on the kernel, no bfloat16 copy (see int4_gemm_min_rows)
+            # every row count on the kernel, no bfloat16 copy: AMX (see int4_gemm_min_rows), or the AVX2 kernel
+            # (int8 x), where the copy's bfloat16 matmul has no native instructions (SmolLM2's 3072 × 576
+            # gate/up at 512 rows, Zen 2: 159 ms on the copy, 11.5 on the kernel)
+            if int4_kernel().amx or int4_q8_max_rows() >= 2**31 - 1:
                 self.dense_min_tokens = sys.maxsize
                 dense_prefill = False
         else:
