@@ -370,26 +370,29 @@ def test_key_pass_dispatch_takes_amx_tiles_only_where_they_fit():
     if dll is None:
         pytest.skip("no C compiler: the kernel path is not built here")
     bf16, int8 = kv_quant_kernel.CODES["bfloat16"], kv_quant_kernel.CODES["int8"]
-    # without AVX512-BF16 no bfloat16 pair-dot pass (2), without AVX-512 no vector pass over codes (1): both
-    # fall back to attend_chunk's own key loop (0), as on an AVX2-only CPU
+    # without AVX512-BF16 no bfloat16 pair-dot pass (2), without AVX-512 no vector pass over codes (1): on
+    # an AVX2 CPU the 8-lane pass (6) takes int8, float32 and bfloat16 with head_dim % 32 == 0 and up to 4
+    # queries per KV head, attend_chunk's own key loop (0) the rest
     features = kv_quant_kernel.cpu_features().split()
-    pair, codes = (2 if "avx512_bf16" in features else 0), (1 if "avx512f" in features else 0)
+    avx2 = "avx512f" not in features and "avx2" in features and "fma" in features
+    pair, codes = (2 if "avx512_bf16" in features else 6 if avx2 else 0), (1 if "avx512f" in features else 0)
     amx = 3 if dll.amx else pair
     assert dll.kvq_key_pass(1, bf16, 64, 3, 16) == amx
-    assert dll.kvq_key_pass(1, bf16, 128, 16, 32) == amx
+    assert dll.kvq_key_pass(1, bf16, 128, 16, 32) == (0 if avx2 else amx)  # 16 queries per KV head: not on AVX2
     assert dll.kvq_key_pass(1, bf16, 64, 3, 8) == pair  # half a tile per block
-    assert dll.kvq_key_pass(1, bf16, 64, 17, 16) == pair  # more query columns than a tile holds
-    assert dll.kvq_key_pass(0, bf16, 64, 3, 16) == 0  # float32 queries: no bfloat16 products
+    assert dll.kvq_key_pass(1, bf16, 64, 17, 16) == (0 if avx2 else pair)  # more query columns than a tile holds
+    assert dll.kvq_key_pass(0, bf16, 64, 3, 16) == (6 if avx2 else 0)  # float32 queries: no bfloat16 products
+    assert dll.kvq_key_pass(0, kv_quant_kernel.CODES["float32"], 64, 3, 16) == (6 if avx2 else 0)
     # 1-byte codes, up to 4 queries per KV head: int8 on AMX integer tiles for any queries (k_pass_amx_codes, integer),
     # fp8 (and int8 of head_dim 32 mod 64) on codes decoded to bfloat16 for bfloat16 queries (k_pass_amx_codes)
-    int8_amx, codes_amx = (5, 4) if dll.amx else (codes, codes)
+    int8_amx, codes_amx = (5, 4) if dll.amx else (6 if avx2 else codes, codes)
     assert dll.kvq_key_pass(1, int8, 64, 3, 16) == int8_amx
     assert dll.kvq_key_pass(0, int8, 128, 4, 32) == int8_amx  # float32 queries too
-    assert dll.kvq_key_pass(1, int8, 96, 3, 16) == codes_amx  # half an A tile of 64 codes
-    assert dll.kvq_key_pass(1, kv_quant_kernel.CODES["fp8_e5m2"], 128, 4, 32) == codes_amx
+    assert dll.kvq_key_pass(1, int8, 96, 3, 16) == (6 if avx2 else codes_amx)  # half an A tile of 64 codes
+    assert dll.kvq_key_pass(1, kv_quant_kernel.CODES["fp8_e5m2"], 128, 4, 32) == codes_amx  # fp8: no AVX2 pass
     assert dll.kvq_key_pass(0, kv_quant_kernel.CODES["fp8_e4m3"], 64, 3, 16) == codes  # float32 queries
     assert dll.kvq_key_pass(1, int8, 64, 5, 16) == codes  # more queries than the compact C store holds
-    assert dll.kvq_key_pass(1, int8, 64, 3, 8) == codes  # half a tile per block
+    assert dll.kvq_key_pass(1, int8, 64, 3, 8) == (6 if avx2 else codes)  # half a tile per block
     assert dll.kvq_key_pass(1, int8, 48, 3, 16) == codes  # head_dim not a multiple of 32
 
 

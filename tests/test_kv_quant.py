@@ -376,8 +376,10 @@ def test_key_pass_on_bfloat16_queries_matches_quantized_reference(kind, head_dim
         kc.codes[table[-1], (n + 1) - (len(table) - 1) * block_size:] = 0x7F
     code, G = kv_quant_kernel.CODES[kind], num_heads // num_kv_heads
     fits = dll.amx and G <= 4 and block_size % 16 == 0  # 5: int8 integer tiles, 4: codes decoded to bfloat16
-    avx512 = "avx512f" in kv_quant_kernel.cpu_features().split()  # k_pass_codes; without it the scalar pass (0)
-    want = (5 if kind == "int8" and head_dim % 64 == 0 else 4) if fits and head_dim % 32 == 0 else int(avx512)
+    features = kv_quant_kernel.cpu_features().split()  # k_pass_codes on AVX-512; on AVX2 k_pass_avx2 (6) for
+    avx2 = "avx512f" not in features and "avx2" in features  # int8 of head_dim % 32 == 0, G <= 4; else 0
+    other = 1 if "avx512f" in features else 6 if avx2 and kind == "int8" and head_dim % 32 == 0 and G <= 4 else 0
+    want = (5 if kind == "int8" and head_dim % 64 == 0 else 4) if fits and head_dim % 32 == 0 else other
     assert dll.kvq_key_pass(1, code, head_dim, G, block_size) == want
     bt, sl, out = meta.block_tables.contiguous(), meta.seq_lens.contiguous(), torch.empty_like(q)
     scale = head_dim ** -0.5
@@ -411,8 +413,9 @@ def test_int8_integer_key_pass_against_float64(head_dim, block_size, heads, lens
         pytest.skip("no C compiler: the kernel path is not built here")
     num_heads, num_kv_heads = heads
     G, code = num_heads // num_kv_heads, kv_quant_kernel.CODES["int8"]
-    avx512 = "avx512f" in kv_quant_kernel.cpu_features().split()  # k_pass_codes; without it the scalar pass (0)
-    assert dll.kvq_key_pass(q_bf16, code, head_dim, G, block_size) == (5 if dll.amx else int(avx512))
+    features = kv_quant_kernel.cpu_features().split()  # k_pass_codes on AVX-512, k_pass_avx2 (6) on AVX2
+    other = 1 if "avx512f" in features else 6 if "avx2" in features and head_dim % 32 == 0 and G <= 4 else 0
+    assert dll.kvq_key_pass(q_bf16, code, head_dim, G, block_size) == (5 if dll.amx else other)
     g = torch.Generator().manual_seed(5)
     kc = QuantizedKVCache.zeros("int8", 300, block_size, num_kv_heads, head_dim)
     vc = QuantizedKVCache.zeros("int8", 300, block_size, num_kv_heads, head_dim)
