@@ -96,23 +96,6 @@ static inline __attribute__((always_inline)) void dense_rows(const void *w, int 
     }
 }
 
-/* The matmul, run by every thread of an enclosing parallel region (outside one: by the caller alone):
- * blocks of DENSE_ROWS weight rows split statically, so each thread streams one contiguous range.
- * w_code 3: x, w, y float32 (scales unused); w_code 0: w int8, scales [N] bfloat16, x and y bfloat16.
- * x: [M, K], w: [N, K], y: [M, N]. Ends with a barrier. */
-void kvs_dense_linear_team(const void *x, int64_t M, int K, const void *w, int w_code, const uint16_t *scales, int N,
-                           void *y) {
-    const int64_t blocks = (N + DENSE_ROWS - 1) / DENSE_ROWS;
-    const int es = w_code == W_F32 ? 4 : 1;
-    int64_t ahead = K > 0 ? DENSE_PREFETCH / ((int64_t)DENSE_ROWS * K * es) : 1;  /* blocks */
-    if (ahead < 1) ahead = 1;
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t pf = b + ahead < blocks ? ahead * DENSE_ROWS * K : 0;  /* same row, `ahead` blocks on */
-        if (w_code == W_F32) dense_rows(w, W_F32, scales, x, 3, M, K, N, b * DENSE_ROWS, pf, y);
-        else dense_rows(w, W_I8, scales, x, 4, M, K, N, b * DENSE_ROWS, pf, y);
-    }
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 /* CPUs with AVX2 but no AVX-512 (AMD Zen 2, older Intel): the same arithmetic with each 16-lane sum held
  * as two 8-lane halves (lane i still adds the products at k ≡ i mod 16, in increasing k), reduced in
@@ -221,6 +204,10 @@ static inline __attribute__((always_inline)) void dense_rows(const void *w, int 
     }
 }
 
+/* The matmul, run by every thread of an enclosing parallel region (outside one: by the caller alone), on either section's dense_rows:
+ * blocks of DENSE_ROWS weight rows split statically, so each thread streams one contiguous range.
+ * w_code 3: x, w, y float32 (scales unused); w_code 0: w int8, scales [N] bfloat16, x and y bfloat16.
+ * x: [M, K], w: [N, K], y: [M, N]. Ends with a barrier. */
 void kvs_dense_linear_team(const void *x, int64_t M, int K, const void *w, int w_code, const uint16_t *scales, int N,
                            void *y) {
     const int64_t blocks = (N + DENSE_ROWS - 1) / DENSE_ROWS;
@@ -229,7 +216,7 @@ void kvs_dense_linear_team(const void *x, int64_t M, int K, const void *w, int w
     if (ahead < 1) ahead = 1;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t pf = b + ahead < blocks ? ahead * DENSE_ROWS * K : 0;
+        const int64_t pf = b + ahead < blocks ? ahead * DENSE_ROWS * K : 0;  /* same row, `ahead` blocks on */
         if (w_code == W_F32) dense_rows(w, W_F32, scales, x, 3, M, K, N, b * DENSE_ROWS, pf, y);
         else dense_rows(w, W_I8, scales, x, 4, M, K, N, b * DENSE_ROWS, pf, y);
     }

@@ -62,6 +62,17 @@ int64_t kvs_int4_scratch_floats(int64_t M, int K) {
  * AVX512-BF16 section, so the library exports it on every CPU (kv_quant_kernel.load() declares it). */
 int kvs_int4_gemm_min_rows(void) { return INT4_GEMM_MIN_ROWS; }
 
+/* out [rows, 16] float32 → rows m0.. of y [M, N] (out_code 3 = float32, 4 = bfloat16), columns of tile t */
+static inline __attribute__((unused)) void store_rows(const float *out, int rows, int64_t m0, int64_t N, int t, void *y,
+                                                      int out_code) {
+    for (int m = 0; m < rows; m++) {
+        const int64_t base = (m0 + m) * N + 16 * (int64_t)t;
+        if (out_code == 3) memcpy((float *)y + base, out + 16 * m, 16 * sizeof(float));
+        else
+            for (int i = 0; i < 16; i++) ((uint16_t *)y)[base + i] = float_to_bf16(out[16 * m + i]);
+    }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -437,15 +448,6 @@ int kvs_amx_granted(void) { return 0; }
 
 #define INT4_AMX_MIN_ROWS 2 /* from this many rows of x, AMX (1 row: 3.7 ms vdpbf16ps vs ~5 ms AMX on SmolLM2) */
 
-static inline void store_rows(const float *out, int rows, int64_t m0, int64_t N, int t, void *y, int out_code) {
-    for (int m = 0; m < rows; m++) {
-        const int64_t base = (m0 + m) * N + 16 * (int64_t)t;
-        if (out_code == 3) memcpy((float *)y + base, out + 16 * m, 16 * sizeof(float));
-        else
-            for (int i = 0; i < 16; i++) ((uint16_t *)y)[base + i] = float_to_bf16(out[16 * m + i]);
-    }
-}
-
 /* The matmul below, run by every thread of an enclosing parallel region (outside one: by the caller
  * alone). xsum: kvs_int4_scratch_floats(M, K) float32 scratch shared by the team. Ends with a barrier. */
 void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
@@ -527,17 +529,6 @@ void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w
             store_rows(out, mb, m0, N, t, y, out_code);
         }
     }
-}
-
-/* y [M, N] (out_code 3 = float32, 4 = bfloat16, rounded to nearest even) = x [M, K] bfloat16 · Wᵀ,
- * W packed as above (N % 16 == 0, K % 32 == 0). Tiles of 16 rows are split over num_threads threads;
- * each tile's records are read once for every four rows of x. */
-void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
-                     int num_threads) {
-    float *xsum = malloc(sizeof(float) * (size_t)kvs_int4_scratch_floats(M, K));
-#pragma omp parallel num_threads(num_threads) if (N / 16 >= 8)
-    kvs_int4_linear_team(x, M, K, w, N, y, out_code, xsum);
-    free(xsum);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -643,15 +634,6 @@ static inline __attribute__((always_inline)) void int4_tile_q8(const uint16_t *r
     }
 }
 
-static inline void store_rows(const float *out, int rows, int64_t m0, int64_t N, int t, void *y, int out_code) {
-    for (int m = 0; m < rows; m++) {
-        const int64_t base = (m0 + m) * N + 16 * (int64_t)t;
-        if (out_code == 3) memcpy((float *)y + base, out + 16 * m, 16 * sizeof(float));
-        else
-            for (int i = 0; i < 16; i++) ((uint16_t *)y)[base + i] = float_to_bf16(out[16 * m + i]);
-    }
-}
-
 /* As the AVX-512 section's kvs_int4_linear_team, every row count on int8 x, two rows per pass over a tile. */
 void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
                           float *xsum) {
@@ -674,14 +656,6 @@ void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w
     }
 }
 
-void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
-                     int num_threads) {
-    float *xsum = malloc(sizeof(float) * (size_t)kvs_int4_scratch_floats(M, K));
-#pragma omp parallel num_threads(num_threads) if (N / 16 >= 8)
-    kvs_int4_linear_team(x, M, K, w, N, y, out_code, xsum);
-    free(xsum);
-}
-
 #else
 
 int kvs_int4_supported(void) { return 0; }
@@ -693,14 +667,19 @@ void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w
     (void)x; (void)M; (void)K; (void)w; (void)N; (void)y; (void)out_code; (void)xsum;
     abort(); /* callers check kvs_int4_supported() first */
 }
+#endif
 
+/* y [M, N] (out_code 3 = float32, 4 = bfloat16, rounded to nearest even) = x [M, K] bfloat16 · Wᵀ,
+ * W packed as above (N % 16 == 0, K % 32 == 0; callers check kvs_int4_supported() first). Tiles of 16
+ * rows are split over num_threads threads; each tile's records are read once for every four (AVX2: two)
+ * rows of x. */
 void kvs_int4_linear(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
                      int num_threads) {
-    (void)num_threads;
-    kvs_int4_linear_team(x, M, K, w, N, y, out_code, NULL);
+    float *xsum = malloc(sizeof(float) * (size_t)kvs_int4_scratch_floats(M, K));
+#pragma omp parallel num_threads(num_threads) if (N / 16 >= 8)
+    kvs_int4_linear_team(x, M, K, w, N, y, out_code, xsum);
+    free(xsum);
 }
-
-#endif
 
 /* Rows of x up to which the int4 kernel multiplies int8 x (quantize_group_q8): 7 with AVX512-VNNI, every
  * row count on the AVX2 path, 0 where there is no int8 path (x stays bfloat16). Asked by
