@@ -115,6 +115,22 @@ def test_int8_gemv_against_float64_and_torch(K, N):
     assert all(torch.equal(int8_gemv(x[i:i + 1], layer.qweight, layer.scales), batch[i:i + 1]) for i in range(len(x)))
 
 
+@needs_kernel
+@pytest.mark.parametrize("K", [17, 100])
+def test_int8_many_rows_of_a_width_torch_cannot_take_run_on_the_gemv(K):
+    """Found by attacking it: with no bfloat16 copy (dense_prefill=False, or a CPU without oneDNN bf16)
+    more than GEMV_MAX_ROWS rows went to torch._weight_int8pack_mm, which dies of a segmentation fault
+    when K % 16 != 0. They run on the GEMV in blocks of GEMV_MAX_ROWS rows instead: each row the bits it
+    gets alone."""
+    from kvserve.models.quant import Int8Linear, int8_gemv
+    g = torch.Generator().manual_seed(K)
+    layer = Int8Linear(torch.randn(32, K, generator=g), dense_prefill=False)
+    x = torch.randn(2 * GEMV_MAX_ROWS + 5, K, generator=g).bfloat16()
+    y = layer(x)
+    assert y.shape == (x.shape[0], 32)
+    assert all(torch.equal(int8_gemv(x[i:i + 1], layer.qweight, layer.scales), y[i:i + 1]) for i in (0, 40, len(x) - 1))
+
+
 def test_what_the_kernel_cannot_take_goes_to_pytorch():
     """Found by attacking it: mismatched widths (read past each weight row), K = 0 (a division by zero),
     meta and fake tensors (no data), a lazy negation bit, forward-mode AD and autocast all reach F.linear,

@@ -538,7 +538,11 @@ void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w
  * (|sum| ≤ 2·15·127; eight such pairs per group and row stay within int16: 8·3810 < 32767, exact), one
  * vpmaddwd per 8 weight rows and group widens them to int32. The same codes, scales and arithmetic as
  * int4_tile_q8, so the same error bound against the dequantized float32 matmul. There is no bfloat16
- * path here: prefill steps of dense_min_tokens rows or more run on the layer's bfloat16 copy. */
+ * path here: on a CPU without oneDNN bf16 (AVX2 only) the layer keeps no bfloat16 copy and prefill runs
+ * here too; an AVX-512 CPU without AVX512-BF16 also lands in this section and multiplies steps of
+ * DENSE_MIN_TOKENS rows or more on the copy. Like the VNNI path's (and the bfloat16 path's group sums
+ * X), the per-group terms are float32: a group of x whose sum overflows float32 (|x| ~1e37 and up)
+ * gives ±inf or NaN where the exact result is finite. */
 #include <immintrin.h>
 
 int kvs_int4_supported(void) { return 1; }

@@ -252,8 +252,8 @@ class Int4Linear(PackedLinear):
     quantized to int8 per group of 32 inputs (scale max|x| / 127, as llama.cpp's Q8_1) and multiplied in
     integers (error ≤ scale / 2 per input; see int4_gemm.c). Where the kernel has
     AMX it takes every row count and the layer holds no bfloat16 copy: from :func:`int4_gemm_min_rows` rows it
-    multiplies by the weights rounded to bfloat16 (the copy's weights) in an AMX GEMM. The AVX2 kernel also
-    takes every row count (int8 x), with no copy."""
+    multiplies by the weights rounded to bfloat16 (the copy's weights) in an AMX GEMM. On an AVX2 CPU
+    (no oneDNN bf16) the AVX2 kernel takes every row count (int8 x), with no copy."""
 
     def __init__(self, block: BlockQuant, bias: torch.Tensor | None = None, dense_prefill: bool = True,
                  layout: str | None = None):
@@ -276,10 +276,11 @@ class Int4Linear(PackedLinear):
                              "compiler)")
         if self.layout == "tiles":
             self.register_buffer("packed", pack_int4_tiles(block.codes, scale.to(KERNEL_DTYPE), zeros.to(KERNEL_DTYPE)))
-            # every row count on the kernel, no bfloat16 copy: AMX (see int4_gemm_min_rows), or the AVX2 kernel
-            # (int8 x), where the copy's bfloat16 matmul has no native instructions (SmolLM2's 3072 × 576
-            # gate/up at 512 rows, Zen 2: 159 ms on the copy, 11.5 on the kernel)
-            if int4_kernel().amx or int4_q8_max_rows() >= 2**31 - 1:
+            # every row count on the kernel, no bfloat16 copy: AMX (see int4_gemm_min_rows). Where oneDNN has no
+            # bf16 (an AVX2 CPU: the AVX2 kernel, int8 x) _finish keeps no copy either (SmolLM2's 3072 × 576
+            # gate/up at 512 rows, Zen 2: 159 ms on the copy, 11.5 on the kernel); an AVX-512 CPU without
+            # AVX512-BF16 runs the AVX2 kernel below DENSE_MIN_TOKENS rows and oneDNN's bf16 on the copy above
+            if int4_kernel().amx:
                 self.dense_min_tokens = sys.maxsize
                 dense_prefill = False
         else:
@@ -334,9 +335,13 @@ class Int8Linear(PackedLinear):
         return self.qweight.float() * self.scales.float()[:, None]
 
     def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
-        if (x2.shape[0] <= GEMV_MAX_ROWS and x2.shape[1] == self.in_features > 0 and plain_cpu(x2)
-                and not torch.compiler.is_compiling() and gemv_kernel() is not None):
-            return int8_gemv(x2, self.qweight, self.scales)
+        if (x2.shape[1] == self.in_features > 0 and plain_cpu(x2) and not torch.compiler.is_compiling()
+                and gemv_kernel() is not None):
+            if x2.shape[0] <= GEMV_MAX_ROWS:
+                return int8_gemv(x2, self.qweight, self.scales)
+            if self.in_features % 16:  # torch's int8 kernel crashes on such K: the GEMV, GEMV_MAX_ROWS rows at a time
+                return torch.cat([int8_gemv(x2[i:i + GEMV_MAX_ROWS], self.qweight, self.scales)
+                                  for i in range(0, x2.shape[0], GEMV_MAX_ROWS)])
         return torch._weight_int8pack_mm(x2, self.qweight, self.scales)
 
 
