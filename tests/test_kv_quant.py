@@ -575,3 +575,20 @@ def test_prefix_cache_hit_on_quantized_blocks_gives_the_same_tokens(kind):
     second = warm.generate(prompt, GREEDY)[0]
     assert warm.engine.kv_manager.num_hit_tokens - hits >= 16  # the second request started from cached blocks
     assert first.outputs[0].token_ids == cold and second.outputs[0].token_ids == cold
+
+
+def test_every_kernel_source_ships_in_the_package():
+    """Found by a new-user trial: package-data listed three of the five C sources, so a non-editable
+    install (a wheel) lacked dense_gemv.c and prefill_attention.c, and load(), which builds only when
+    every source is there, silently fell back to eager PyTorch. Each source load() compiles, and
+    kernel_math.h, must match a package-data pattern of kvserve.attention."""
+    import fnmatch
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    root = Path(kv_quant_kernel.__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "kvserve.attention"]
+    for src in [*kv_quant_kernel._SRCS, kv_quant_kernel._SRCS[0].with_name("kernel_math.h")]:
+        assert any(fnmatch.fnmatch(src.name, p) for p in patterns), src.name
