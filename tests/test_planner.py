@@ -280,7 +280,8 @@ def test_plan_on_local_says_device_not_gpu(tmp_path, monkeypatch, capsys):
 
 def test_plan_on_local_uses_the_rates_of_the_compute_dtype(tmp_path, monkeypatch, capsys):
     """A plan on `local` takes the probe's bfloat16 rates for bf16/int4 weights and its float32 rates for
-    fp32 ones (the engine multiplies packed weights in bf16), plans the bundled model by default, and
+    fp32 ones (the engine multiplies packed weights in bf16; on a CPU without oneDNN bf16 in kvserve's
+    float32-summing AVX2 kernels, so float32 rates), plans the bundled model by default, and
     takes the engine's dtype names. Hand-computed: SmolLM2's decode step at 1 token of context reads its
     weight bytes at the GEMV rate of that dtype."""
     from kvserve.cli import main
@@ -289,6 +290,8 @@ def test_plan_on_local_uses_the_rates_of_the_compute_dtype(tmp_path, monkeypatch
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     pr.save_probe(pr.ProbeResult(2, 8e9, {"float32": 20e9, "bfloat16": 10e9}, {"float32": 1e11, "bfloat16": 4e11},
                                  {"float32": 10e9, "bfloat16": 5e9}, 0.0, 0.0, dtype="float32"))
+    from kvserve.models import quant
+    monkeypatch.setattr(quant, "MKLDNN_BF16", True)  # a CPU where oneDNN has bf16
     per_param = {}
     for dt, rate in (("bfloat16", 10e9), ("fp32", 20e9), ("int4", 10e9)):
         assert main(["plan", "--hardware", "local", "--weight-dtype", dt, "--json"]) == 0
@@ -298,6 +301,12 @@ def test_plan_on_local_uses_the_rates_of_the_compute_dtype(tmp_path, monkeypatch
         assert t["weights_ms"] == pytest.approx(t["weight_bytes"] / rate * 1e3, rel=1e-9), dt
         per_param[dt] = t["weight_bytes"]
     assert per_param["fp32"] == pytest.approx(2 * per_param["bfloat16"]) and per_param["int4"] < per_param["bfloat16"] / 3
+    # without oneDNN bf16 (an AVX2 CPU) packed weights run on float32-summing kernels: the float32 rates
+    monkeypatch.setattr(quant, "MKLDNN_BF16", False)
+    for dt, rate in (("int4", 20e9), ("int8", 20e9), ("bfloat16", 10e9)):
+        assert main(["plan", "--hardware", "local", "--weight-dtype", dt, "--json"]) == 0
+        t = json.loads(capsys.readouterr().out)["terms"]
+        assert t["weights_ms"] == pytest.approx(t["weight_bytes"] / rate * 1e3, rel=1e-9), dt
     with pytest.raises(SystemExit):
         main(["plan", "--hardware", "local", "--weight-dtype", "float64"])
     assert "unknown dtype 'float64'" in capsys.readouterr().err

@@ -88,10 +88,15 @@ def _resolve(a: argparse.Namespace):
     if local:  # this machine's rates for the dtype the engine would compute in (packed weights: bf16)
         from dataclasses import replace
 
+        from kvserve.models.quant import MKLDNN_BF16
         from kvserve.planner.probe import load_probe
 
         probe = load_probe()
-        compute = "float32" if a.weight_dtype == "fp32" else "bfloat16"
+        # where oneDNN has no bf16 (an AVX2 CPU) packed weights run on kvserve's AVX2 kernels (int8 or
+        # float32 sums, no bf16 copy): the float32 rates are the closer stand-in (Zen 2's probe: bf16
+        # matmul 0.3 GFLOP/s against 64 for float32, and an int4 plan 100x too slow on the bf16 ones)
+        packed_f32 = w.weight_dtype in ("int4", "int8") and not MKLDNN_BF16
+        compute = "float32" if w.weight_dtype == "fp32" or packed_f32 else "bfloat16"
         if compute in probe.gemv_bytes_per_s and compute in probe.matmul_flops and compute in probe.kv_read_bytes_per_s:
             probe = replace(probe, dtype=compute)
         return shape, probe.hardware(), probe.efficiency(), w
