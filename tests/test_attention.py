@@ -64,20 +64,27 @@ def test_long_chunk_after_context_in_two_mask_free_calls(heads, context, query, 
     from kvserve.attention import paged
 
     assert query >= paged.SPLIT_MIN_QUERIES and paged._FLASH_CPU is not None
-    monkeypatch.setattr(paged, "_prefill_kernel", lambda *a: None)  # bfloat16 would take the AMX kernel
+    monkeypatch.setattr(paged, "_prefill_kernel", lambda *a: None)  # bfloat16 would take the C kernel
     fast, ref = _run(*heads, [5, context, 9], [1, query, 3], block_size=16, head_dim=32, num_blocks=128)
     assert torch.allclose(fast, ref, atol=TOL, rtol=0), (fast - ref).abs().max()
     fast, ref = _run(*heads, [context], [query], block_size=16, head_dim=32, dtype=torch.bfloat16, num_blocks=128)
     assert (fast.float() - ref.float()).abs().max() <= 2 * 2.0 ** -8 * ref.float().abs().max() + 1e-3
 
 
-def _amx_prefill_kernel():
+def _prefill_kernel_here():
     from kvserve.attention import kv_quant_kernel
 
     dll = kv_quant_kernel.load()
     if dll is None or not dll.prefill_attention_supported(64):
-        pytest.skip("no AMX prefill attention here (needs a C compiler, AMX-BF16 and Linux's tile grant)")
+        pytest.skip("no prefill attention kernel here (needs a C compiler, and AMX-BF16 with Linux's tile grant "
+                    "or AVX2)")
     return dll
+
+
+def _prefill_kernel_head_dims(dll) -> set[int]:
+    """The head dims the kernel section compiled here takes: 32 and 64 on AMX tiles, multiples of 32 up
+    to 256 on AVX2 (prefill_attention.c)"""
+    return {32, 64} if dll.amx else set(range(32, 257, 32))
 
 
 def _causal_reference(q, k, v, scale):
@@ -105,15 +112,16 @@ def _sdpa_prefill(q, k, v, scale):
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (6, 1)], ids=["GQA", "MHA", "MQA"])
 @pytest.mark.parametrize("L,S,d", [(1, 1, 64), (7, 7, 64), (16, 16, 32), (33, 100, 64), (300, 300, 32),
                                    (200, 1030, 64), (5, 700, 64)])
-def test_amx_prefill_attention_matches_float64_softmax(heads, L, S, d):
-    """The AMX prefill kernel (bfloat16, heads of 32/64) against float64 softmax attention, query blocks of
-    16 and key blocks of 32 cut anywhere (L, S, S − L not multiples of either), q a strided view of a
-    fused QKV row. Bound: P is rounded to bfloat16 before P·V (as in PyTorch's kernel) and so is the
-    output, each up to 2^-8 relative (bfloat16 keeps 8 significant bits), so |out − ref| <= 2^-7·max|v|
-    (+ 2^-12 for float32 sums); PyTorch SDPA on the same inputs must meet it too."""
+def test_prefill_attention_kernel_matches_float64_softmax(heads, L, S, d):
+    """The prefill kernel (bfloat16; AMX: heads of 32/64, query blocks of 16, key blocks of 32; AVX2:
+    blocks of 48 query rows of a KV head's queries and 64 keys) against float64 softmax attention, blocks
+    cut anywhere (L, S, S − L not multiples of them), q a strided view of a fused QKV row. Bound: P is
+    rounded to bfloat16 before P·V on AMX (as in PyTorch's kernel) and so is the output, each up to 2^-8
+    relative (bfloat16 keeps 8 significant bits), so |out − ref| <= 2^-7·max|v| (+ 2^-12 for float32
+    sums); PyTorch SDPA on the same inputs must meet it too."""
     from kvserve.attention import paged
 
-    _amx_prefill_kernel()
+    _prefill_kernel_here()
     H, Hkv = heads
     g = torch.Generator().manual_seed(L * 1000 + S)
     qkv = torch.randn(L, (H + 2 * Hkv) * d, generator=g).bfloat16()
@@ -128,12 +136,32 @@ def test_amx_prefill_attention_matches_float64_softmax(heads, L, S, d):
     assert (_sdpa_prefill(q, k, v, d ** -0.5).double() - ref).abs().max().item() <= bound
 
 
-def test_amx_prefill_attention_rescales_as_the_maximum_grows():
+@pytest.mark.parametrize("H,Hkv,L,S,d", [(2, 1, 70, 70, 96), (4, 2, 129, 200, 128), (8, 1, 50, 50, 256),
+                                        (64, 1, 5, 9, 32), (16, 1, 100, 130, 64)])
+def test_prefill_attention_kernel_wide_heads_and_groups(H, Hkv, L, S, d):
+    """Head dims past 64 (Gemma-3's 256) and query groups larger than a work item's rows (64 query heads
+    on one KV head: one query per item) where the kernel here takes them (AVX2), against float64
+    softmax attention with the bound above."""
+    from kvserve.attention import paged
+
+    dll = _prefill_kernel_here()
+    if d not in _prefill_kernel_head_dims(dll):
+        pytest.skip(f"head_dim {d} is not one the prefill kernel takes here")
+    g = torch.Generator().manual_seed(H * 7 + d)
+    q = torch.randn(L, H, d, generator=g).bfloat16()
+    k, v = (torch.randn(S, Hkv, d, generator=g).bfloat16() for _ in range(2))
+    assert paged._prefill_kernel(q, k, v, d ** -0.5) is not None
+    out = paged._prefill(q, k, v, d ** -0.5)
+    bound = 2.0 ** -7 * v.float().abs().max().item() + 2.0 ** -12
+    assert (out.double() - _causal_reference(q, k, v, d ** -0.5)).abs().max().item() <= bound
+
+
+def test_prefill_attention_kernel_rescales_as_the_maximum_grows():
     """Keys that grow along the sequence push every query's running maximum up block after block, past
     the kernel's headroom, so its outputs and row sums must be rescaled many times (without the rescale
     the error is of the order of the outputs). Oracle: float64 softmax, bound as above: a query whose
     softmax is one key's shows the P rounding in full (its p is 2^-8·2^f, not 1 as in PyTorch's kernel)."""
-    _amx_prefill_kernel()
+    _prefill_kernel_here()
     from kvserve.attention import paged
 
     g = torch.Generator().manual_seed(1)
@@ -148,7 +176,7 @@ def test_amx_prefill_attention_rescales_as_the_maximum_grows():
 
 @pytest.mark.parametrize("case", ["huge scores", "dominant key under the headroom", "vanishing key, huge value",
                                   "huge value rescaled away"])
-def test_amx_prefill_attention_edge_values(case):
+def test_prefill_attention_kernel_edge_values(case):
     """From the adversarial review, each against float64 softmax with the bound above:
     - scores ~1e10: exp's argument was a fused S·scale − m, up to half an ulp of S·scale above 0, and p
       overflowed (0.5 and NaN for an expected 2);
@@ -158,7 +186,7 @@ def test_amx_prefill_attention_edge_values(case):
       the output read 1808 for an expected 1;
     - the same value in the first block, then a key 1000 above it: the rescale factor was floored the
       same way (227 for 1)."""
-    _amx_prefill_kernel()
+    _prefill_kernel_here()
     from kvserve.attention import kv_quant_kernel
 
     q, k, v = torch.zeros(1, 1, 32), torch.zeros(2, 1, 32), torch.zeros(2, 1, 32)
@@ -184,10 +212,10 @@ def test_amx_prefill_attention_edge_values(case):
     assert (out.double() - ref).abs().max().item() <= 2.0 ** -7 * v_seen + 2.0 ** -12, (out[0, 0, 0], ref[0, 0, 0])
 
 
-def test_amx_prefill_attention_keeps_a_future_nan_key_from_earlier_queries():
+def test_prefill_attention_kernel_keeps_a_future_nan_key_from_earlier_queries():
     """A NaN in the key of token j reaches queries at j and after (NaN outputs) and no query before it,
     also inside the query's own key block (masked scores are replaced, not added to)."""
-    _amx_prefill_kernel()
+    _prefill_kernel_here()
     from kvserve.attention import paged
 
     g = torch.Generator().manual_seed(2)
@@ -204,15 +232,19 @@ def test_prefill_kernel_is_only_taken_where_it_applies():
     """float32, a window, other head dims, scale <= 0, autograd, non-contiguous heads and an odd K token
     stride keep SDPA; the kernel's wrapper refuses an odd stride, other head dims and float32 with a
     ValueError (the C function also returns without writing for an unsupported d)."""
-    _amx_prefill_kernel()
+    _prefill_kernel_here()
     from kvserve.attention import kv_quant_kernel, paged
 
     q, k = torch.randn(8, 4, 64).bfloat16(), torch.randn(8, 2, 64).bfloat16()
     assert paged._prefill_kernel(q, k, k, 0.125) is not None
     assert paged._prefill_kernel(q.float(), k.float(), k.float(), 0.125) is None
     assert paged._prefill_kernel(q[..., :48], k[..., :48], k[..., :48], 0.125) is None
-    assert paged._prefill_kernel(torch.randn(8, 4, 128).bfloat16(), torch.randn(8, 2, 128).bfloat16(),
-                                 torch.randn(8, 2, 128).bfloat16(), 0.125) is None
+    dll, dims = kv_quant_kernel.load(), _prefill_kernel_head_dims(kv_quant_kernel.load())
+    for d in (16, 48, 96, 128, 256, 288):
+        assert dll.prefill_attention_supported(d) == (d in dims), d
+        taken = paged._prefill_kernel(torch.randn(8, 4, d).bfloat16(), torch.randn(8, 2, d).bfloat16(),
+                                      torch.randn(8, 2, d).bfloat16(), 0.125)
+        assert (taken is not None) == (d in dims), d
     assert paged._prefill_kernel(q, k, k, 0.0) is None
     assert paged._prefill_kernel(q.requires_grad_(), k, k, 0.125) is None
     assert paged._prefill_kernel(q.detach().transpose(1, 2).contiguous().transpose(1, 2), k, k, 0.125) is None
@@ -220,7 +252,8 @@ def test_prefill_kernel_is_only_taken_where_it_applies():
     assert paged._prefill_kernel(q.detach(), k_odd, k, 0.125) is None
     with pytest.raises(ValueError, match="even"):
         kv_quant_kernel.prefill_attention(kv_quant_kernel.load(), q.detach(), k_odd, k, 0.125)
-    for d in (16, 48, 128):  # d = 16 corrupted the heap, 128 overran a stack buffer, before the wrapper checked
+    # d = 16 corrupted the heap, 128 overran a stack buffer (AMX), before the wrapper checked
+    for d in sorted({16, 48, 128, 288} - dims):
         with pytest.raises(ValueError, match=f"head_dim {d}"):
             kv_quant_kernel.prefill_attention(kv_quant_kernel.load(), torch.randn(47, 2, d).bfloat16(),
                                               torch.randn(50, 1, d).bfloat16(), torch.randn(50, 1, d).bfloat16(), 0.1)

@@ -1,10 +1,11 @@
 """Loads the C kernels, compiled on first use into one library: the fused dequantize-and-attend
 decode kernel (``kv_quant_kernel.c``), the per-layer glue of a step (``layer_kernel.c``, used by
 :mod:`kvserve.models.fused_ops`), the int4 weight matmul (``int4_gemm.c``, used by
-:class:`kvserve.models.quant.Int4Linear` where the CPU has AVX512-BF16) and the float32 and int8
+:class:`kvserve.models.quant.Int4Linear` where the CPU has AVX512-BF16 or AVX2) and the float32 and int8
 matrix-vector products of decode steps (``dense_gemv.c``, used by :class:`kvserve.models.linear.Linear`
-and :class:`kvserve.models.quant.Int8Linear` where the CPU has AVX-512) and the causal prefill attention on
-AMX tiles (``prefill_attention.c``, used by :mod:`kvserve.attention.paged` for bfloat16 heads of 32 or 64).
+and :class:`kvserve.models.quant.Int8Linear` where the CPU has AVX-512 or AVX2) and the causal prefill
+attention (``prefill_attention.c``, used by :mod:`kvserve.attention.paged` for bfloat16 heads: on AMX tiles
+for heads of 32 or 64, else on AVX2 vectors for multiples of 32 up to 256).
 
 Built with the system C compiler (``cc -O3 -march=native -fopenmp``; ``$CC`` if set) into
 ``~/.cache/kvserve`` (``$KVSERVE_CACHE_DIR`` if set) under a name that hashes the source, flags, compiler
@@ -218,21 +219,22 @@ _KINDS = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 def prefill_attention(dll: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """Causal attention of one sequence's L queries over its S keys, the last L of them the queries' own
-    (query i sees keys 0 .. S − L + i), on AMX tiles (``prefill_attention.c``).
+    (query i sees keys 0 .. S − L + i), on AMX tiles or, without AMX, AVX2 vectors (``prefill_attention.c``).
 
     q: [L, H, d] bfloat16; k, v: [S, Hkv, d] bfloat16 (S >= L >= 1, H a multiple of Hkv; query head
     h·G + g reads KV head h), token rows at any stride (k's even), heads d elements apart and each head's
     d elements contiguous (else ValueError, as for another dtype or shape); d where
-    ``dll.prefill_attention_supported(d)`` (32, 64); scale > 0. Returns [L, H, d] bfloat16.
-    Float32 scores and softmax, P rounded to bfloat16 for P·V, as PyTorch's CPU flash attention
-    (tested against float64 softmax attention: |Δ| <= 2^-7·max|v| + 2^-12, which SDPA meets too)."""
+    ``dll.prefill_attention_supported(d)`` (AMX: 32, 64; AVX2: multiples of 32 up to 256); scale > 0.
+    Returns [L, H, d] bfloat16. Float32 scores and softmax; P rounded to bfloat16 for P·V on AMX, as in
+    PyTorch's CPU flash attention, kept float32 on AVX2 (tested against float64 softmax attention:
+    |Δ| <= 2^-7·max|v| + 2^-12, which SDPA meets too)."""
     L, H, d = q.shape
     S, Hkv = k.shape[0], k.shape[1]
     if not (1 <= L <= S and H % Hkv == 0 and v.shape == k.shape and k.shape[2] == d):
         raise ValueError(f"prefill_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
                          "must be [L, H, d], [S, Hkv, d], [S, Hkv, d] with 1 <= L <= S and H % Hkv == 0")
     if not dll.prefill_attention_supported(d):
-        raise ValueError(f"prefill_attention: head_dim {d} is not one the kernel takes here (32 or 64, with AMX)")
+        raise ValueError(f"prefill_attention: head_dim {d} is not one the kernel takes here (AMX: 32 or 64; AVX2: a multiple of 32 up to 256)")
     if any(t.dtype != torch.bfloat16 or t.stride(2) != 1 or t.stride(1) != d for t in (q, k, v)) or k.stride(0) % 2:
         raise ValueError("prefill_attention: q, k, v must be bfloat16 with each head's d elements contiguous "
                          "(and k's token stride even: its dim pairs are gathered as 32-bit words)")

@@ -1,5 +1,5 @@
-/* Causal prefill attention on AMX tiles: L queries of one sequence over its S keys, the last L of which
- * are the queries' own (query i sits at key position S − L + i and sees keys 0 .. S − L + i).
+/* Causal prefill attention on AMX tiles (an AVX2 section further down takes CPUs without AMX): L queries
+ * of one sequence over its S keys, the last L of which are the queries' own (query i sits at key position S − L + i and sees keys 0 .. S − L + i).
  *
  * Why: PyTorch's CPU flash attention (the path F.scaled_dot_product_attention takes) runs at ~0.24 TFLOPS
  * here, and at 4096 prompt tokens SmolLM2's prefill attention was ~2 of its ~3 s of TTFT. A tile
@@ -279,6 +279,219 @@ void kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, 
     }
     free(kp);
     free(vp);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* CPUs without AMX whose vectors are AVX2 (AMD Zen 2 here): the same flash-attention loop on 8-lane float32
+ * vectors, register-blocked for GQA. PyTorch's CPU flash attention ran at 51-90 GFLOP/s here (2 threads,
+ * SmolLM2's 9 heads over 3 KV heads), ~55 % of TTFT at 4096 prompt tokens; this loop at 105-143.
+ *
+ * K and V of every KV head are first converted to float32 (exact): K as panels of 8 keys [d][8], so 16
+ * keys' scores of one query row take d broadcast-multiply-adds on two vectors; V as rows [S][d]. A work
+ * item is (KV head, block of about PA_ROWS query rows): QB = PA_ROWS / G queries times the G query heads
+ * that read the head, so every K and V vector loaded serves all of them. Per block of PA_KB keys:
+ *   S = Q·Kᵀ (Q pre-multiplied by scale·log2(e) in float32, one rounding) in micro-tiles of 6 rows × 16
+ *   keys (12 accumulators); keys after a row's query set to −inf; per row the block maximum; when it
+ *   passes the running maximum m, the row's O and l are multiplied by 2^(m_old − m_new); p = 2^(S − m)
+ *   (exp2_nonpos_avx2), l += Σ p; O += P·V in micro-tiles of 3 rows × 32 dims (12 accumulators).
+ * out = O / l rounded to bfloat16 (nearest even). P stays float32 (PyTorch's kernel and the AMX path
+ * round it to bfloat16 first), so the error is at most theirs. Rows past the last query (padding to a
+ * multiple of 6) compute on zero queries and are not stored. A NaN score makes its row's p, l and
+ * output NaN (it need not survive the block maximum: exp2 of NaN is NaN); keys after a query are
+ * replaced by −inf before anything is read, so a NaN there never reaches it.
+ * Supported: d % 32 == 0, d <= 256 (the P·V tiles take 32 dims at a time). */
+#include <immintrin.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define PA_KB 64   /* keys per block */
+#define PA_QK_ROWS 6  /* rows of the score micro-tile (× 16 keys) */
+#define PA_PV_ROWS 3  /* rows of the P·V micro-tile (× 32 dims) */
+#define PA_ROWS 48 /* query rows (queries × heads of a group) per work item, about */
+
+/* 2^x for x <= 0 on 8 lanes: 0 below -125 (and for -inf); the polynomial of exp2_nonpos_ps */
+static inline __m256 exp2_nonpos_avx2(__m256 x) {
+    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-125.f), _CMP_NLT_UQ);
+    const __m256 xc = _mm256_max_ps(_mm256_set1_ps(-125.f), x);
+    const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(xc, n);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(0.009600402787327766f), f, _mm256_set1_ps(0.055916935205459595f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24023719131946564f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931219696998596f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
+}
+
+/* 8 bfloat16 values as float32 (exact) */
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* s[r][0 .. 16) = qf[r] · key j for PA_QK_ROWS rows of qf (row stride d) and the 16 keys of two 8-key
+ * panels kt0, kt1 ([d][8] float32 each); s rows s_row apart */
+static inline __attribute__((always_inline)) void qk_tile(const float *qf, const float *kt0, const float *kt1,
+                                                         const int d, float *s, int s_row) {
+    __m256 a[PA_QK_ROWS][2];
+    for (int r = 0; r < PA_QK_ROWS; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int i = 0; i < d; i++) {
+        const __m256 k0 = _mm256_load_ps(kt0 + 8 * i), k1 = _mm256_load_ps(kt1 + 8 * i);
+        for (int r = 0; r < PA_QK_ROWS; r++) {
+            const __m256 b = _mm256_broadcast_ss(qf + r * d + i);
+            a[r][0] = _mm256_fmadd_ps(b, k0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(b, k1, a[r][1]);
+        }
+    }
+    for (int r = 0; r < PA_QK_ROWS; r++) {
+        _mm256_store_ps(s + r * s_row, a[r][0]);
+        _mm256_store_ps(s + r * s_row + 8, a[r][1]);
+    }
+}
+
+/* o[r][dc .. dc + 32) += Σ_j p[r][j] · vf[j][dc .. dc + 32) for PA_PV_ROWS rows (p rows p_row apart, o
+ * rows d apart) and keys j < nk (vf: rows of d float32) */
+static inline __attribute__((always_inline)) void pv_tile(const float *p, int p_row, const float *vf, const int d,
+                                                         int dc, int nk, float *o) {
+    __m256 a[PA_PV_ROWS][4];
+    for (int r = 0; r < PA_PV_ROWS; r++)
+        for (int c = 0; c < 4; c++) a[r][c] = _mm256_load_ps(o + r * d + dc + 8 * c);
+    for (int j = 0; j < nk; j++) {
+        const float *vj = vf + (int64_t)j * d + dc;
+        const __m256 v0 = _mm256_load_ps(vj), v1 = _mm256_load_ps(vj + 8), v2 = _mm256_load_ps(vj + 16),
+                     v3 = _mm256_load_ps(vj + 24);
+        for (int r = 0; r < PA_PV_ROWS; r++) {
+            const __m256 w = _mm256_broadcast_ss(p + r * p_row + j);
+            a[r][0] = _mm256_fmadd_ps(w, v0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(w, v1, a[r][1]);
+            a[r][2] = _mm256_fmadd_ps(w, v2, a[r][2]);
+            a[r][3] = _mm256_fmadd_ps(w, v3, a[r][3]);
+        }
+    }
+    for (int r = 0; r < PA_PV_ROWS; r++)
+        for (int c = 0; c < 4; c++) _mm256_store_ps(o + r * d + dc + 8 * c, a[r][c]);
+}
+
+/* One work item's flash-attention loop: Rp (a multiple of PA_QK_ROWS) rows of qf [Rp, d] (pre-scaled
+ * queries), row r at key position pos[r] (sees keys 0 .. pos[r]), over keys [0, kend) of one KV head (kt:
+ * its 8-key panels, vf: its float32 rows, both padded with zero keys to a multiple of PA_KB). Leaves the
+ * unnormalized o [Rp, d], row maxima m and sums l [Rp]; s: [Rp, PA_KB] scratch. */
+static inline __attribute__((always_inline)) void attend_rows(
+        const float *qf, int Rp, const int64_t *pos, const float *kt, const float *vf, int64_t kend, const int d,
+        float *s, float *o, float *m, float *l) {
+    for (int r = 0; r < Rp; r++) { m[r] = -INFINITY; l[r] = 0.f; }
+    memset(o, 0, sizeof(float) * (size_t)Rp * d);
+    for (int64_t kb0 = 0; kb0 < kend; kb0 += PA_KB) {
+        const int nk = kend - kb0 < PA_KB ? (int)(kend - kb0) : PA_KB;
+        const float *ktb = kt + kb0 * d;  /* panels of 8 keys: [d][8] each, consecutive */
+        for (int r0 = 0; r0 < Rp; r0 += PA_QK_ROWS)
+            for (int j0 = 0; j0 < PA_KB; j0 += 16)
+                qk_tile(qf + (int64_t)r0 * d, ktb + (int64_t)j0 * d, ktb + (int64_t)(j0 + 8) * d, d,
+                        s + r0 * PA_KB + j0, PA_KB);
+        for (int r = 0; r < Rp; r++) {
+            float *sr = s + r * PA_KB;
+            const int64_t lim = pos[r] - kb0 + 1;  /* keys visible in this block: [0, lim) */
+            const int vis = lim < nk ? (int)lim : nk;
+            for (int j = vis < 0 ? 0 : vis; j < PA_KB; j++) sr[j] = -INFINITY;
+            __m256 mv = _mm256_set1_ps(-INFINITY);
+            for (int j = 0; j < PA_KB; j += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(sr + j));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float bm = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            if (bm > m[r]) {
+                if (m[r] > -INFINITY) {
+                    const float alpha = exp2f(m[r] - bm);
+                    l[r] *= alpha;
+                    const __m256 av = _mm256_set1_ps(alpha);
+                    for (int c = 0; c < d; c += 8) _mm256_store_ps(o + r * d + c, _mm256_mul_ps(av, _mm256_load_ps(o + r * d + c)));
+                }
+                m[r] = bm;
+            }
+            const __m256 mr = _mm256_set1_ps(m[r]);
+            __m256 z = _mm256_setzero_ps();
+            for (int j = 0; j < PA_KB; j += 8) {
+                const __m256 p = exp2_nonpos_avx2(_mm256_sub_ps(_mm256_load_ps(sr + j), mr));
+                _mm256_store_ps(sr + j, p);
+                z = _mm256_add_ps(z, p);
+            }
+            __m128 z4 = _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
+            z4 = _mm_add_ps(z4, _mm_movehl_ps(z4, z4));
+            l[r] += _mm_cvtss_f32(_mm_add_ss(z4, _mm_movehdup_ps(z4)));
+        }
+        const float *vb = vf + kb0 * d;
+        for (int r0 = 0; r0 < Rp; r0 += PA_PV_ROWS)
+            for (int dc = 0; dc < d; dc += 32) pv_tile(s + r0 * PA_KB, PA_KB, vb, d, dc, nk, o + (int64_t)r0 * d);
+    }
+}
+
+/* Head dims the kernel takes: multiples of 32 up to 256 */
+int kvs_prefill_attention_supported(int d) { return d > 0 && d % 32 == 0 && d <= 256; }
+
+/* Arguments and layout as the AMX kvs_prefill_attention above; d a multiple of 32 up to 256. Work items
+ * are (KV head, query block), the largest query blocks first within a KV head. */
+void kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, int64_t k_row, const uint16_t *v,
+                           int64_t v_row, uint16_t *out, int64_t L, int64_t S, int H, int Hkv, int d, float scale,
+                           int num_threads) {
+    if (!kvs_prefill_attention_supported(d) || Hkv < 1 || H % Hkv || L < 1 || S < L) return;
+    const int G = H / Hkv;
+    const int QB = PA_ROWS / G > 0 ? PA_ROWS / G : 1;  /* queries per item */
+    const int64_t Sp = (S + PA_KB - 1) / PA_KB * PA_KB, nqb = (L + QB - 1) / QB, c = S - L;
+    float *kt = aligned_alloc(64, sizeof(float) * (size_t)(Hkv * Sp * d));  /* [Hkv][Sp/8][d][8] */
+    float *vf = aligned_alloc(64, sizeof(float) * (size_t)(Hkv * Sp * d));  /* [Hkv][Sp][d] */
+    const int Rmax = (QB * G + PA_QK_ROWS - 1) / PA_QK_ROWS * PA_QK_ROWS;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < Hkv * (Sp / 8); i++) {
+            const int h = (int)(i / (Sp / 8));
+            const int64_t p = i % (Sp / 8);
+            float *dst = kt + ((int64_t)h * Sp + 8 * p) * d, *vd = vf + ((int64_t)h * Sp + 8 * p) * d;
+            for (int j = 0; j < 8; j++) {
+                const int64_t t = 8 * p + j;
+                if (t < S) {
+                    const uint16_t *kr = k + t * k_row + (int64_t)h * d, *vr = v + t * v_row + (int64_t)h * d;
+                    for (int e = 0; e < d; e++) dst[e * 8 + j] = bf16_to_float(kr[e]);
+                    for (int e = 0; e < d; e += 8) _mm256_store_ps(vd + j * d + e, bf16x8(vr + e));
+                } else {
+                    for (int e = 0; e < d; e++) dst[e * 8 + j] = 0.f;
+                    memset(vd + j * d, 0, sizeof(float) * d);
+                }
+            }
+        }
+        float *qf = aligned_alloc(64, sizeof(float) * (size_t)Rmax * d);
+        float *o = aligned_alloc(64, sizeof(float) * (size_t)Rmax * d);
+        float *s = aligned_alloc(64, sizeof(float) * (size_t)Rmax * PA_KB);
+        float *ml = malloc(sizeof(float) * 2 * Rmax);
+        int64_t *pos = malloc(sizeof(int64_t) * Rmax);
+        const float qscale = scale * 1.44269504088896341f;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < Hkv * nqb; i++) {
+            const int h = (int)(i / nqb);
+            const int64_t qb = nqb - 1 - i % nqb, q0 = qb * QB;
+            const int nq = L - q0 < QB ? (int)(L - q0) : QB, R = nq * G;
+            const int Rp = (R + PA_QK_ROWS - 1) / PA_QK_ROWS * PA_QK_ROWS;
+            for (int r = 0; r < Rp; r++) {  /* row r: query q0 + r / G of head h·G + r % G */
+                const int qi = r < R ? r / G : nq - 1, g = r < R ? r % G : 0;
+                pos[r] = c + q0 + qi;
+                if (r < R) {
+                    const uint16_t *qr = q + (q0 + qi) * q_row + (int64_t)(h * G + g) * d;
+                    for (int e = 0; e < d; e++) qf[r * d + e] = bf16_to_float(qr[e]) * qscale;
+                } else memset(qf + r * d, 0, sizeof(float) * d);
+            }
+            const int64_t kend = c + q0 + nq;
+            const float *kth = kt + (int64_t)h * Sp * d, *vfh = vf + (int64_t)h * Sp * d;
+            if (d == 64) attend_rows(qf, Rp, pos, kth, vfh, kend, 64, s, o, ml, ml + Rmax);
+            else attend_rows(qf, Rp, pos, kth, vfh, kend, d, s, o, ml, ml + Rmax);
+            for (int r = 0; r < R; r++) {
+                const int qi = r / G, g = r % G;
+                uint16_t *dst = out + (q0 + qi) * (int64_t)H * d + (int64_t)(h * G + g) * d;
+                const float inv = 1.f / ml[Rmax + r];
+                for (int e = 0; e < d; e++) dst[e] = float_to_bf16(o[r * d + e] * inv);
+            }
+        }
+        free(qf); free(o); free(s); free(ml); free(pos);
+    }
+    free(kt);
+    free(vf);
 }
 #else
 int kvs_prefill_attention_supported(int d) { (void)d; return 0; }
