@@ -239,12 +239,34 @@ def test_plan_cli_text_sweep_and_errors(capsys, tmp_path):
                  "--spec-acceptance", "0.7", "--spec-tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert "TTFT" in out and "ITL" in out and "speculative" in out and "70,272 B" in out
+    assert "no --draft-model" in out  # says the drafting cost is left out, not "draft step 0.00 ms"
+    assert main(["plan", "--model", "llama-3-70b", "--hardware", "h100-sxm", "--tp", "2", "--spec-acceptance", "0.7",
+                 "--draft-model", "llama-3-8b"]) == 0
+    assert re.search(r"draft llama-3-8b: [1-9][0-9.]* ms per step", capsys.readouterr().out)
     png = tmp_path / "sweep.png"
     assert main(["plan", "--sweep", "batch", "--tp", "4", "--plot", str(png)]) == 0
     assert png.stat().st_size > 1000 and "tok/s" in capsys.readouterr().out
     assert main(["plan", "--model", "no-such-model"]) == 2
     assert main(["plan", "--hardware", "tpu-v9"]) == 2
     assert "unknown hardware" in capsys.readouterr().err
+
+
+def test_context_sweep_stops_at_the_models_context_length():
+    """A context sweep plans no prompt past the model's max_position_embeddings (SmolLM2: 8192; the sweep
+    used to run to 131072), and ends on that length when no step of the sweep lands on it."""
+    from dataclasses import replace
+
+    from kvserve.planner.hardware import efficiency_for
+    from kvserve.planner.report import sweep
+
+    hw, shape = HARDWARE["h100-sxm"], get_model("smollm2-135m")
+    eff = efficiency_for(hw)
+    assert shape.max_position_embeddings == 8192
+    assert [x for x, _ in sweep(shape, hw, eff, Workload(), "context")] == [512, 1024, 2048, 4096, 8192]
+    short = replace(shape, max_position_embeddings=3000)
+    assert [x for x, _ in sweep(short, hw, eff, Workload(), "context")] == [512, 1024, 2048, 3000]
+    tiny = replace(shape, max_position_embeddings=300)
+    assert [x for x, _ in sweep(tiny, hw, eff, Workload(), "context")] == [300]
 
 
 def test_probe_saves_and_local_loads(tmp_path, monkeypatch):

@@ -90,9 +90,14 @@ SWEEP_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def sweep(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, axis: str) -> list[tuple[int, Plan]]:
-    """Plans over prompt length (axis "context") or batch (axis "batch")."""
+    """Plans over prompt length (axis "context": the SWEEP_CONTEXTS up to the model's context length,
+    ``max_position_embeddings``, and that length itself if no step lands on it) or batch (axis "batch")."""
     if axis == "context":
-        return [(x, plan(shape, hw, eff, replace(w, prompt_tokens=x))) for x in SWEEP_CONTEXTS]
+        limit = shape.max_position_embeddings
+        xs = [x for x in SWEEP_CONTEXTS if x <= limit]
+        if not xs or (xs[-1] != limit and limit < SWEEP_CONTEXTS[-1]):
+            xs.append(limit)
+        return [(x, plan(shape, hw, eff, replace(w, prompt_tokens=x))) for x in xs]
     return [(x, plan(shape, hw, eff, replace(w, batch=x))) for x in SWEEP_BATCHES]
 
 
