@@ -40,6 +40,11 @@
 
 #define PF_QB 16         /* queries per block: one tile's rows */
 #define PF_KB 32         /* keys per block: two score tiles, one P tile's 32 bf16 columns */
+/* 2^f for |f| <= 1/2 as p(f) = ((((C4·f + C3)·f + C2)·f + C1)·f + 1: the exp2 polynomial of both sections */
+#define EXP2_C4 0.009600402787327766f
+#define EXP2_C3 0.055916935205459595f
+#define EXP2_C2 0.24023719131946564f
+#define EXP2_C1 0.6931219696998596f
 #ifndef PF_HEADROOM  /* the reference maximum's lead over a row's running maximum, log2 units */
 #define PF_HEADROOM 8.f
 #endif
@@ -71,9 +76,9 @@ static inline __m512 exp2_nonpos_ps(__m512 x, __mmask16 live) {
     const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-125.f), x);
     const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(xc, n);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.009600402787327766f), f, _mm512_set1_ps(0.055916935205459595f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24023719131946564f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219696998596f));
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(EXP2_C4), f, _mm512_set1_ps(EXP2_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_maskz_scalef_ps(live, p, n);
 }
@@ -315,9 +320,9 @@ static inline __m256 exp2_nonpos_avx2(__m256 x) {
     const __m256 xc = _mm256_max_ps(_mm256_set1_ps(-125.f), x);
     const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(xc, n);
-    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(0.009600402787327766f), f, _mm256_set1_ps(0.055916935205459595f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24023719131946564f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931219696998596f));
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(EXP2_C4), f, _mm256_set1_ps(EXP2_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C1));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
