@@ -140,6 +140,7 @@ def test_a_damaged_cached_library_returns_none(tmp_path):
     env.pop("KVSERVE_NO_KV_KERNEL", None)
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+    assert "compiling" not in run.stderr  # a cached file, even a bad one, is not rebuilt
 
 
 def test_build_name_changes_with_the_cpu_and_the_compiler():
@@ -174,6 +175,7 @@ def test_a_failed_build_returns_none_and_leaves_no_file(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert list((tmp_path / "cache").iterdir()) == []
+    assert "kvserve: compiling the C kernels into" in run.stderr  # said before the quiet minute of a build
 
 
 def _tie_rows(kind: str, d: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ import hashlib
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -78,6 +79,9 @@ def load() -> ctypes.CDLL | None:
             cache.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
+            # a new user's first run otherwise goes quiet for about a minute after loading the weights
+            print(f"kvserve: compiling the C kernels into {lib} (once per source version and CPU; about a "
+                  "minute on 2 cores)", file=sys.stderr, flush=True)
             # ~50 s of CPU; on a host at load 5 it took 2 min 38 s of wall time, past the old 120 s limit,
             # and every kernel test skipped as if there were no compiler
             subprocess.run([os.environ.get("CC", "cc"), *_FLAGS, *map(str, _SRCS), "-o", tmp, "-lm"], check=True,
