@@ -228,6 +228,33 @@ def test_prefill_attention_kernel_keeps_a_future_nan_key_from_earlier_queries():
     assert not out[:, :3].isnan().any() and not out[:, 6:].isnan().any()
 
 
+@pytest.mark.parametrize("G,L,S,j", [(1, 40, 40, 21), (3, 16, 16, 10), (2, 100, 100, 37), (3, 100, 700, 650)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_prefill_attention_kernel_keeps_a_future_bad_value_from_earlier_queries(G, L, S, j, bad):
+    """A NaN or inf in the value of token j reaches no query before j (its weight there is 0, and 0 · NaN
+    is NaN: the AVX2 kernel skips such keys instead of multiplying them; PyTorch's SDPA and the AMX tile
+    product do not). Queries at j and after see it; the other KV head is untouched. From the adversarial
+    review (10 of 10 earlier queries were NaN for G = 3, L = 16)."""
+    dll = _prefill_kernel_here()
+    if dll.amx:
+        pytest.skip("the AMX kernel multiplies masked zeros in its P·V tiles, as PyTorch's kernel does")
+    from kvserve.attention import paged
+
+    g = torch.Generator().manual_seed(G * 100 + j)
+    q = torch.randn(L, 2 * G, 64, generator=g).bfloat16()
+    k, v = (torch.randn(S, 2, 64, generator=g).bfloat16() for _ in range(2))
+    v[j, 1, 3] = bad
+    out = paged._prefill(q, k, v, 0.125)
+    pos = S - L + torch.arange(L)
+    bad_rows = ~out[:, G:].isfinite().all(-1).all(-1)
+    assert bad_rows.tolist() == (pos >= j).tolist()
+    assert out[:, :G].isfinite().all()
+    ref = _causal_reference(q[pos < j], k[:S - L + int((pos < j).sum())], v[:S - L + int((pos < j).sum())], 0.125) \
+        if (pos < j).any() else None
+    if ref is not None:  # the clean rows are right, not just finite
+        assert (out[pos < j].double() - ref).abs().max().item() <= 2.0 ** -7 * v[:j].float().abs().max().item() + 2.0 ** -12
+
+
 def test_prefill_kernel_is_only_taken_where_it_applies():
     """float32, a window, other head dims, scale <= 0, autograd, non-contiguous heads and an odd K token
     stride keep SDPA; the kernel's wrapper refuses an odd stride, other head dims and float32 with a
@@ -246,6 +273,10 @@ def test_prefill_kernel_is_only_taken_where_it_applies():
                                       torch.randn(8, 2, d).bfloat16(), 0.125)
         assert (taken is not None) == (d in dims), d
     assert paged._prefill_kernel(q, k, k, 0.0) is None
+    assert paged._prefill_kernel(q, k, k, float("inf")) is None and paged._prefill_kernel(q, k, k, float("nan")) is None
+    for scale in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="scale"):
+            kv_quant_kernel.prefill_attention(kv_quant_kernel.load(), q, k, k, scale)
     assert paged._prefill_kernel(q.requires_grad_(), k, k, 0.125) is None
     assert paged._prefill_kernel(q.detach().transpose(1, 2).contiguous().transpose(1, 2), k, k, 0.125) is None
     k_odd = torch.randn(8 * 129).bfloat16().as_strided((8, 2, 64), (129, 64, 1))  # token rows 129 apart

@@ -136,8 +136,9 @@ def load() -> ctypes.CDLL | None:
     dll.amx = bool(dll.kvs_int4_amx_enable())  # AMX tile state granted: int4 steps of >= 4 rows use it
     dll.prefill_attention_supported = functools.cache(lambda d: bool(dll.kvs_prefill_attention_supported(d)))
     for f in (dll.kvs_rope_write_kv, dll.kvs_add_rms_norm, dll.kvs_silu_mul, dll.kvs_decode_attention,
-              dll.kvs_int4_linear, dll.kvs_dense_linear, dll.kvs_argmax_rows, dll.kvs_prefill_attention):
+              dll.kvs_int4_linear, dll.kvs_dense_linear, dll.kvs_argmax_rows):
         f.restype = None
+    dll.kvs_prefill_attention.restype = i32  # 0; -1: a buffer could not be allocated; -2: arguments refused
     dll.kvs_llama_decode.restype = i32  # -1: a token id outside the embedding, nothing run
     return dll
 
@@ -228,8 +229,9 @@ def prefill_attention(dll: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
     q: [L, H, d] bfloat16; k, v: [S, Hkv, d] bfloat16 (S >= L >= 1, H a multiple of Hkv; query head
     h·G + g reads KV head h), token rows at any stride (k's even), heads d elements apart and each head's
     d elements contiguous (else ValueError, as for another dtype or shape); d where
-    ``dll.prefill_attention_supported(d)`` (AMX: 32, 64; AVX2: multiples of 32 up to 256); scale > 0.
-    Returns [L, H, d] bfloat16. Float32 scores and softmax; P rounded to bfloat16 for P·V on AMX, as in
+    ``dll.prefill_attention_supported(d)`` (AMX: 32, 64; AVX2: multiples of 32 up to 256); scale > 0 and
+    finite (else ValueError). Returns [L, H, d] bfloat16; MemoryError when the kernel cannot allocate its
+    buffers (K and V in float32 or tile layout: 2·Hkv·S·d·4 bytes at most). Float32 scores and softmax; P rounded to bfloat16 for P·V on AMX, as in
     PyTorch's CPU flash attention, kept float32 on AVX2 (tested against float64 softmax attention:
     |Δ| <= 2^-7·max|v| + 2^-12, which SDPA meets too)."""
     L, H, d = q.shape
@@ -242,9 +244,15 @@ def prefill_attention(dll: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
     if any(t.dtype != torch.bfloat16 or t.stride(2) != 1 or t.stride(1) != d for t in (q, k, v)) or k.stride(0) % 2:
         raise ValueError("prefill_attention: q, k, v must be bfloat16 with each head's d elements contiguous "
                          "(and k's token stride even: its dim pairs are gathered as 32-bit words)")
+    if not 0.0 < scale < float("inf"):
+        raise ValueError(f"prefill_attention: scale {scale} must be finite and > 0")
     out = torch.empty(L, H, d, dtype=torch.bfloat16)
-    dll.kvs_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                              out.data_ptr(), L, S, H, Hkv, d, scale, torch.get_num_threads())
+    rc = dll.kvs_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                   out.data_ptr(), L, S, H, Hkv, d, scale, torch.get_num_threads())
+    if rc == -1:
+        raise MemoryError(f"prefill_attention: no memory for the kernel's buffers (S={S}, Hkv={Hkv}, d={d})")
+    if rc:  # the checks above cover every argument the kernel refuses
+        raise ValueError(f"prefill_attention: the kernel refused L={L}, S={S}, H={H}, Hkv={Hkv}, d={d}")
     return out
 
 

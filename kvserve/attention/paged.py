@@ -9,6 +9,8 @@ with ``window × query tokens``, not with the square of the context.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -107,7 +109,7 @@ def _prefill_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     AVX2. ``_prefill`` never asks for a sliding window. SmolLM2's layer (9 heads, 2 threads), against the
     flash-attention paths below: AMX (Xeon) 2048 causal queries 14 → 6.2 ms, 2048 after 2048 cached keys
     39 → 18 ms, 256 causal 0.56 → 0.19 ms; AVX2 (Zen 2) 1024 causal 18 → 9.5 ms, 4096 221 → 136 ms."""
-    if (q.device.type != "cpu" or torch.compiler.is_compiling() or q.requires_grad or not scale > 0
+    if (q.device.type != "cpu" or torch.compiler.is_compiling() or q.requires_grad or not 0 < scale < math.inf
             or not q.dtype == k.dtype == v.dtype == torch.bfloat16):
         return None
     d = q.shape[-1]

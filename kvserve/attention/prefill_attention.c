@@ -242,15 +242,21 @@ static inline __attribute__((always_inline)) void attend_block(
  * apart (each head's d elements contiguous); out: [L, H, d] bfloat16, contiguous. S >= L >= 1; query head
  * h·G + g (G = H / Hkv) reads KV head h; d = 32 or 64 (kvs_prefill_attention_supported). Work items are
  * (KV head, query block, query head of the group), the largest query blocks first within a KV head, so
- * both threads read the same head's laid-out K and V and the last items are the short ones. */
-void kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, int64_t k_row, const uint16_t *v,
-                           int64_t v_row, uint16_t *out, int64_t L, int64_t S, int H, int Hkv, int d, float scale,
-                           int num_threads) {
-    if (!kvs_prefill_attention_supported(d) || Hkv < 1 || H % Hkv || L < 1 || S < L) return;  /* out untouched */
+ * both threads read the same head's laid-out K and V and the last items are the short ones. Returns 0;
+ * -1 (out untouched) when a buffer cannot be allocated, -2 for arguments the kernel does not take. */
+int kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, int64_t k_row, const uint16_t *v,
+                          int64_t v_row, uint16_t *out, int64_t L, int64_t S, int H, int Hkv, int d, float scale,
+                          int num_threads) {
+    if (!kvs_prefill_attention_supported(d) || Hkv < 1 || H % Hkv || L < 1 || S < L) return -2;  /* out untouched */
     const int G = H / Hkv;
     const int64_t Sp = (S + PF_KB - 1) / PF_KB * PF_KB, nkt = Sp / 16, nqb = (L + PF_QB - 1) / PF_QB, c = S - L;
     uint16_t *kp = aligned_alloc(64, sizeof(uint16_t) * (size_t)(Hkv * Sp * d));
     uint16_t *vp = aligned_alloc(64, sizeof(uint16_t) * (size_t)(Hkv * Sp * d));
+    if (!kp || !vp) {
+        free(kp);
+        free(vp);
+        return -1;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
@@ -284,6 +290,7 @@ void kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, 
     }
     free(kp);
     free(vp);
+    return 0;
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* CPUs without AMX whose vectors are AVX2 (AMD Zen 2 here): the same flash-attention loop on 8-lane float32
@@ -353,14 +360,22 @@ static inline __attribute__((always_inline)) void qk_tile(const float *qf, const
     }
 }
 
-/* o[r][dc .. dc + 32) += Σ_j p[r][j] · vf[j][dc .. dc + 32) for PA_PV_ROWS rows (p rows p_row apart, o
- * rows d apart) and keys j < nk (vf: rows of d float32) */
+/* o[r][dc .. dc + 32) += Σ_{j < lim[r]} p[r][j] · vf[j][dc .. dc + 32) for PA_PV_ROWS rows (p rows p_row
+ * apart, o rows d apart; vf: rows of d float32). A row's keys past lim[r] (after its query) are skipped,
+ * not multiplied by their p of 0: 0 · a NaN or inf in V would reach a query that may not see that key.
+ * The rows of a micro-tile are one query's heads or neighbouring queries, so the keys that only some of
+ * its rows see are at most PA_PV_ROWS − 1 (a masked multiply-add each). */
 static inline __attribute__((always_inline)) void pv_tile(const float *p, int p_row, const float *vf, const int d,
-                                                         int dc, int nk, float *o) {
+                                                         int dc, const int *lim, float *o) {
     __m256 a[PA_PV_ROWS][4];
+    int lo = lim[0], hi = lim[0];
+    for (int r = 1; r < PA_PV_ROWS; r++) {
+        lo = lim[r] < lo ? lim[r] : lo;
+        hi = lim[r] > hi ? lim[r] : hi;
+    }
     for (int r = 0; r < PA_PV_ROWS; r++)
         for (int c = 0; c < 4; c++) a[r][c] = _mm256_load_ps(o + r * d + dc + 8 * c);
-    for (int j = 0; j < nk; j++) {
+    for (int j = 0; j < lo; j++) {
         const float *vj = vf + (int64_t)j * d + dc;
         const __m256 v0 = _mm256_load_ps(vj), v1 = _mm256_load_ps(vj + 8), v2 = _mm256_load_ps(vj + 16),
                      v3 = _mm256_load_ps(vj + 24);
@@ -372,6 +387,14 @@ static inline __attribute__((always_inline)) void pv_tile(const float *p, int p_
             a[r][3] = _mm256_fmadd_ps(w, v3, a[r][3]);
         }
     }
+    for (int j = lo; j < hi; j++) {  /* keys only some rows see */
+        const float *vj = vf + (int64_t)j * d + dc;
+        for (int r = 0; r < PA_PV_ROWS; r++)
+            if (j < lim[r]) {
+                const __m256 w = _mm256_broadcast_ss(p + r * p_row + j);
+                for (int c = 0; c < 4; c++) a[r][c] = _mm256_fmadd_ps(w, _mm256_load_ps(vj + 8 * c), a[r][c]);
+            }
+    }
     for (int r = 0; r < PA_PV_ROWS; r++)
         for (int c = 0; c < 4; c++) _mm256_store_ps(o + r * d + dc + 8 * c, a[r][c]);
 }
@@ -379,10 +402,10 @@ static inline __attribute__((always_inline)) void pv_tile(const float *p, int p_
 /* One work item's flash-attention loop: Rp (a multiple of PA_QK_ROWS) rows of qf [Rp, d] (pre-scaled
  * queries), row r at key position pos[r] (sees keys 0 .. pos[r]), over keys [0, kend) of one KV head (kt:
  * its 8-key panels, vf: its float32 rows, both padded with zero keys to a multiple of PA_KB). Leaves the
- * unnormalized o [Rp, d], row maxima m and sums l [Rp]; s: [Rp, PA_KB] scratch. */
+ * unnormalized o [Rp, d], row maxima m and sums l [Rp]; s: [Rp, PA_KB] and vis_keys [Rp] scratch. */
 static inline __attribute__((always_inline)) void attend_rows(
         const float *qf, int Rp, const int64_t *pos, const float *kt, const float *vf, int64_t kend, const int d,
-        float *s, float *o, float *m, float *l) {
+        float *s, float *o, float *m, float *l, int *vis_keys) {
     for (int r = 0; r < Rp; r++) { m[r] = -INFINITY; l[r] = 0.f; }
     memset(o, 0, sizeof(float) * (size_t)Rp * d);
     for (int64_t kb0 = 0; kb0 < kend; kb0 += PA_KB) {
@@ -395,8 +418,9 @@ static inline __attribute__((always_inline)) void attend_rows(
         for (int r = 0; r < Rp; r++) {
             float *sr = s + r * PA_KB;
             const int64_t lim = pos[r] - kb0 + 1;  /* keys visible in this block: [0, lim) */
-            const int vis = lim < nk ? (int)lim : nk;
-            for (int j = vis < 0 ? 0 : vis; j < PA_KB; j++) sr[j] = -INFINITY;
+            const int vis = lim < nk ? (lim < 0 ? 0 : (int)lim) : nk;
+            vis_keys[r] = vis;
+            for (int j = vis; j < PA_KB; j++) sr[j] = -INFINITY;
             __m256 mv = _mm256_set1_ps(-INFINITY);
             for (int j = 0; j < PA_KB; j += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(sr + j));
             __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
@@ -424,26 +448,36 @@ static inline __attribute__((always_inline)) void attend_rows(
         }
         const float *vb = vf + kb0 * d;
         for (int r0 = 0; r0 < Rp; r0 += PA_PV_ROWS)
-            for (int dc = 0; dc < d; dc += 32) pv_tile(s + r0 * PA_KB, PA_KB, vb, d, dc, nk, o + (int64_t)r0 * d);
+            for (int dc = 0; dc < d; dc += 32) pv_tile(s + r0 * PA_KB, PA_KB, vb, d, dc, vis_keys + r0, o + (int64_t)r0 * d);
     }
 }
 
 /* Head dims the kernel takes: multiples of 32 up to 256 */
 int kvs_prefill_attention_supported(int d) { return d > 0 && d % 32 == 0 && d <= 256; }
 
-/* Arguments and layout as the AMX kvs_prefill_attention above; d a multiple of 32 up to 256. Work items
- * are (KV head, query block), the largest query blocks first within a KV head. */
-void kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, int64_t k_row, const uint16_t *v,
-                           int64_t v_row, uint16_t *out, int64_t L, int64_t S, int H, int Hkv, int d, float scale,
-                           int num_threads) {
-    if (!kvs_prefill_attention_supported(d) || Hkv < 1 || H % Hkv || L < 1 || S < L) return;
-    const int G = H / Hkv;
+/* Arguments, layout and return value as the AMX kvs_prefill_attention above; d a multiple of 32 up to
+ * 256. Work items are (KV head, query block), the largest query blocks first within a KV head. Every
+ * buffer (K and V in float32, each thread's scratch) is allocated before the threads start. */
+int kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, int64_t k_row, const uint16_t *v,
+                          int64_t v_row, uint16_t *out, int64_t L, int64_t S, int H, int Hkv, int d, float scale,
+                          int num_threads) {
+    if (!kvs_prefill_attention_supported(d) || Hkv < 1 || H % Hkv || L < 1 || S < L) return -2;
+    const int G = H / Hkv, nt = num_threads < 1 ? 1 : num_threads;
     const int QB = PA_ROWS / G > 0 ? PA_ROWS / G : 1;  /* queries per item */
     const int64_t Sp = (S + PA_KB - 1) / PA_KB * PA_KB, nqb = (L + QB - 1) / QB, c = S - L;
+    const int Rmax = (QB * G + PA_QK_ROWS - 1) / PA_QK_ROWS * PA_QK_ROWS, R16 = (Rmax + 15) / 16 * 16;
+    /* per thread: qf and o [Rmax, d], s [Rmax, PA_KB], m and l, pos (int64), vis_keys (int); 64-byte pieces */
+    const int64_t per = 2 * (int64_t)Rmax * d + (int64_t)Rmax * PA_KB + 2 * R16 + 2 * R16 + R16;
     float *kt = aligned_alloc(64, sizeof(float) * (size_t)(Hkv * Sp * d));  /* [Hkv][Sp/8][d][8] */
     float *vf = aligned_alloc(64, sizeof(float) * (size_t)(Hkv * Sp * d));  /* [Hkv][Sp][d] */
-    const int Rmax = (QB * G + PA_QK_ROWS - 1) / PA_QK_ROWS * PA_QK_ROWS;
-#pragma omp parallel num_threads(num_threads)
+    float *scratch = aligned_alloc(64, sizeof(float) * (size_t)(per * nt));
+    if (!kt || !vf || !scratch) {
+        free(kt);
+        free(vf);
+        free(scratch);
+        return -1;
+    }
+#pragma omp parallel num_threads(nt)
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < Hkv * (Sp / 8); i++) {
@@ -462,11 +496,14 @@ void kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, 
                 }
             }
         }
-        float *qf = aligned_alloc(64, sizeof(float) * (size_t)Rmax * d);
-        float *o = aligned_alloc(64, sizeof(float) * (size_t)Rmax * d);
-        float *s = aligned_alloc(64, sizeof(float) * (size_t)Rmax * PA_KB);
-        float *ml = malloc(sizeof(float) * 2 * Rmax);
-        int64_t *pos = malloc(sizeof(int64_t) * Rmax);
+#ifdef _OPENMP
+        float *qf = scratch + per * omp_get_thread_num();
+#else
+        float *qf = scratch;
+#endif
+        float *o = qf + (int64_t)Rmax * d, *s = o + (int64_t)Rmax * d, *ml = s + (int64_t)Rmax * PA_KB;
+        int64_t *pos = (int64_t *)(ml + 2 * R16);
+        int *vis_keys = (int *)(ml + 4 * R16);
         const float qscale = scale * 1.44269504088896341f;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < Hkv * nqb; i++) {
@@ -484,8 +521,8 @@ void kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, 
             }
             const int64_t kend = c + q0 + nq;
             const float *kth = kt + (int64_t)h * Sp * d, *vfh = vf + (int64_t)h * Sp * d;
-            if (d == 64) attend_rows(qf, Rp, pos, kth, vfh, kend, 64, s, o, ml, ml + Rmax);
-            else attend_rows(qf, Rp, pos, kth, vfh, kend, d, s, o, ml, ml + Rmax);
+            if (d == 64) attend_rows(qf, Rp, pos, kth, vfh, kend, 64, s, o, ml, ml + Rmax, vis_keys);
+            else attend_rows(qf, Rp, pos, kth, vfh, kend, d, s, o, ml, ml + Rmax, vis_keys);
             for (int r = 0; r < R; r++) {
                 const int qi = r / G, g = r % G;
                 uint16_t *dst = out + (q0 + qi) * (int64_t)H * d + (int64_t)(h * G + g) * d;
@@ -493,17 +530,19 @@ void kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, 
                 for (int e = 0; e < d; e++) dst[e] = float_to_bf16(o[r * d + e] * inv);
             }
         }
-        free(qf); free(o); free(s); free(ml); free(pos);
     }
     free(kt);
     free(vf);
+    free(scratch);
+    return 0;
 }
 #else
 int kvs_prefill_attention_supported(int d) { (void)d; return 0; }
-void kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, int64_t k_row, const uint16_t *v,
-                           int64_t v_row, uint16_t *out, int64_t L, int64_t S, int H, int Hkv, int d, float scale,
-                           int num_threads) {
+int kvs_prefill_attention(const uint16_t *q, int64_t q_row, const uint16_t *k, int64_t k_row, const uint16_t *v,
+                          int64_t v_row, uint16_t *out, int64_t L, int64_t S, int H, int Hkv, int d, float scale,
+                          int num_threads) {
     (void)q; (void)q_row; (void)k; (void)k_row; (void)v; (void)v_row; (void)out; (void)L; (void)S; (void)H;
     (void)Hkv; (void)d; (void)scale; (void)num_threads;
+    return -2;
 }
 #endif
