@@ -231,10 +231,11 @@ static inline __m256 transpose_sum8(const __m256 *v) {
 
 /* The scores of every KV head's G queries against the keys of tokens [t_begin, t_end), block by block
  * (each block serves every head right after it arrives; the next block's rows are prefetched as this
- * one's are read): scores[(h·G + g)·L + t] = q·k_t · scale (· the token's K scale for int8), mx [H]
- * the running maxima. q: [H, d] float32; d % 8 == 0, d <= 256. Per token and head the row is converted
- * once and each query's dot product kept as 8 lane sums, stored; every 8 tokens transpose_sum8 turns
- * them into 8 scores. */
+ * one's are read, its V rows (vc, same layout) into L2 for the V pass that follows, which otherwise
+ * waited on DRAM head by head): scores[(h·G + g)·L + t] = q·k_t · scale (· the token's K scale for
+ * int8), mx [H] the running maxima. q: [H, d] float32; d % 8 == 0, d <= 256. Per token and head the row
+ * is converted once and each query's dot product kept as 8 lane sums, stored; every 8 tokens
+ * transpose_sum8 turns them into 8 scores. */
 static inline __attribute__((always_inline)) void k_pass_avx2(
         const float *q, const uint8_t *kc, const uint8_t *vc, const float *ks, const int64_t *table, int64_t t_begin,
         int64_t t_end, float *scores, int64_t L, float *mx, int G, int Hkv, const int d, int bs, float scale,
