@@ -245,7 +245,18 @@ def test_plan_cli_text_sweep_and_errors(capsys, tmp_path):
     assert re.search(r"draft llama-3-8b: [1-9][0-9.]* ms per step", capsys.readouterr().out)
     png = tmp_path / "sweep.png"
     assert main(["plan", "--sweep", "batch", "--tp", "4", "--plot", str(png)]) == 0
-    assert png.stat().st_size > 1000 and "tok/s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert png.stat().st_size > 1000 and "tok/s" in out
+    # the table says what it is: model, hardware, dtypes, what is held fixed and the terms' unit
+    title = out.splitlines()[0]
+    assert "llama-3-70b" in title and "4× h100-sxm" in title and "weights bf16, KV bf16" in title
+    assert "8,192 prompt" in title and "in ms per step" in out.splitlines()[1]
+    assert "fits = no" in out  # batch 256 at 8192 tokens: KV 708 GB over 4 GPUs
+    assert main(["plan", "--model", "smollm2-135m", "--hardware", "h200", "--sweep", "context", "--batch", "2",
+                 "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m on 1× h200" in out and "batch 2" in out.splitlines()[0] and "fits = no" not in out
+    assert out.splitlines()[2].split()[0] == "prompt"
     assert main(["plan", "--model", "no-such-model"]) == 2
     assert main(["plan", "--hardware", "tpu-v9"]) == 2
     assert "unknown hardware" in capsys.readouterr().err

@@ -132,7 +132,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     shape, hw, eff, w = _resolve(a)
     if a.sweep:
         rows = sweep(shape, hw, eff, w, a.sweep)
-        print(format_sweep(rows, a.sweep))
+        print(format_sweep(rows, a.sweep, shape, hw, w))
         path = a.plot or f"plan-{shape.name}-{a.sweep}.png"
         plot_sweep(rows, a.sweep, f"{shape.name} on {w.tp}× {hw.name}, batch {w.batch}" if a.sweep == "context"
                    else f"{shape.name} on {w.tp}× {hw.name}, {w.prompt_tokens} prompt tokens", path)

@@ -101,15 +101,26 @@ def sweep(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, axis: s
     return [(x, plan(shape, hw, eff, replace(w, batch=x))) for x in SWEEP_BATCHES]
 
 
-def format_sweep(rows: list[tuple[int, Plan]], axis: str) -> str:
-    lines = [f"{axis:>8} {'TTFT ms':>10} {'ITL ms':>8} {'weights':>8} {'KV':>8} {'compute':>8} {'comm':>6} "
-             f"{'overhead':>8} {'tok/s':>9} {'bound':>8} {'fits':>5}"]
+def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw: Hardware, w: Workload) -> str:
+    """The sweep as a table under a title line that names the model, hardware, dtypes and what is held
+    fixed. Columns: the prompt length (context) or batch, TTFT and ITL, the decode step's terms at the
+    mean context (weights, KV, compute, comm, overhead; ms), output tokens/s, what bounds the step, and
+    whether weights + KV fit the usable memory."""
+    held = (f"batch {w.batch}, {w.output_tokens:,} output tokens" if axis == "context"
+            else f"{w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens")
+    lines = [f"kvserve plan --sweep {axis} — {shape.name} on {w.tp}× {hw.name}: weights {w.weight_dtype}, "
+             f"KV {w.kv_dtype}, {held}",
+             "  decode step at each row's mean context, in ms per step (weights, KV, compute, comm, overhead)",
+             f"{'prompt' if axis == 'context' else 'batch':>8} {'TTFT ms':>10} {'ITL ms':>8} {'weights':>8} {'KV':>8} "
+             f"{'compute':>8} {'comm':>6} {'overhead':>8} {'tok/s':>9} {'bound':>8} {'fits':>5}"]
     for x, p in rows:
         t = p.decode_mean.terms_ms()
         batch = p.decode_mean.num_tokens
         lines.append(f"{x:>8} {p.ttft_ms:>10.1f} {p.itl_ms:>8.2f} {t['weights_ms']:>8.2f} {t['kv_ms']:>8.2f} "
                      f"{t['compute_ms']:>8.2f} {t['comm_ms']:>6.2f} {t['overhead_ms']:>8.2f} "
                      f"{batch * 1e3 / p.itl_ms:>9.1f} {p.decode_mean.bound:>8} {'yes' if p.capacity.fits else 'no':>5}")
+    if not all(p.capacity.fits for _, p in rows):
+        lines.append("  fits = no: weights + KV per device exceed its usable memory (more --tp, or smaller dtypes)")
     return "\n".join(lines)
 
 
