@@ -345,6 +345,30 @@ def test_plan_on_local_uses_the_rates_of_the_compute_dtype(tmp_path, monkeypatch
     assert "unknown dtype 'float64'" in capsys.readouterr().err
 
 
+def test_plan_on_local_defaults_to_what_the_engine_runs(tmp_path, monkeypatch, capsys):
+    """`plan --hardware local` without dtypes plans what `kvserve generate` runs by default: the bundled
+    model's Q4_1 GGUF kept as int4 with a float32 KV cache, another model in float32; a GPU plan stays
+    bf16/bf16. Each default is checked against the plan given that dtype explicitly."""
+    from kvserve.cli import main
+    from kvserve.planner import probe as pr
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    pr.save_probe(pr.ProbeResult(2, 8e9, {"float32": 20e9}, {"float32": 100e9}, {"float32": 10e9}, 1e-3, 2e-4))
+
+    def workload(*args):
+        assert main(["plan", *args, "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        return got["workload"]["weight_dtype"], got["workload"]["kv_dtype"], got["itl_ms"]
+
+    w, kv, itl = workload("--hardware", "local")
+    assert (w, kv) == ("int4", "fp32") and itl == workload("--hardware", "local", "--weight-dtype", "int4",
+                                                           "--kv-dtype", "float32")[2]
+    assert workload("--hardware", "local", "--model", "smollm2-135m")[:2] == ("int4", "fp32")
+    assert workload("--hardware", "local", "--model", "gemma-3-270m")[:2] == ("fp32", "fp32")  # Q4_K_M: float32
+    assert workload("--hardware", "local", "--kv-dtype", "int8")[:2] == ("int4", "int8")
+    assert workload("--hardware", "h200", "--model", "smollm2-135m")[:2] == ("bf16", "bf16")
+
+
 def test_explain_plumbing_on_a_tiny_model():
     from kvserve.llm import LLM
     from kvserve.planner import probe as pr

@@ -37,9 +37,13 @@ def add_planner_parsers(sub) -> None:
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--output-tokens", type=int, default=250)
     p.add_argument("--batch", type=int, default=1, help="concurrent sequences decoding together")
-    p.add_argument("--weight-dtype", default="bf16", type=_plan_dtype,
-                   help="fp32|bf16|fp16|fp8|int8|int4 (or float32, bfloat16, fp8_e4m3 ...)")
-    p.add_argument("--kv-dtype", default="bf16", type=_plan_dtype, help="as --weight-dtype")
+    p.add_argument("--weight-dtype", default=None, type=_plan_dtype,
+                   help="fp32|bf16|fp16|fp8|int8|int4 (or float32, bfloat16, fp8_e4m3 ...); default bf16, on "
+                   "--hardware local what `kvserve generate` runs: int4 for the bundled model (its Q4_1 GGUF "
+                   "kept packed), fp32 for another")
+    p.add_argument("--kv-dtype", default=None, type=_plan_dtype,
+                   help="as --weight-dtype; default bf16, on --hardware local fp32 (the engine's default, the "
+                   "float32 compute dtype)")
     p.add_argument("--chunk-tokens", type=int, default=0, help="prefill chunk (max_num_batched_tokens); 0 = one step")
     p.add_argument("--tokenize-ms", type=float, default=0.0, help="measured tokenization time to add")
     p.add_argument("--queue-ms", type=float, default=0.0, help="measured queueing time to add")
@@ -80,6 +84,11 @@ def _resolve(a: argparse.Namespace):
     from kvserve.planner.models import get_model
 
     local = a.hardware.lower() == "local"
+    if local:  # the engine's defaults: the bundled Q4_1 GGUF kept as int4, KV in the float32 compute dtype
+        a.weight_dtype = a.weight_dtype or ("int4" if a.model in (None, "smollm2-135m") else "fp32")
+        a.kv_dtype = a.kv_dtype or "fp32"
+    else:
+        a.weight_dtype, a.kv_dtype = a.weight_dtype or "bf16", a.kv_dtype or "bf16"
     if a.model is None:
         a.model = "smollm2-135m" if local else "llama-3-70b"
     shape = get_model(a.model)
