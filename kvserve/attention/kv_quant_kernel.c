@@ -243,6 +243,8 @@ static inline __attribute__((always_inline)) void k_pass_avx2(
     const int64_t es = elem_size(code), token_bytes = (int64_t)Hkv * d * es;
     const int H = G * Hkv;
     __m256 lane[8 * 64];  /* [h·G + g][token % 8]: up to 64 query heads */
+    __m256 mxv[64];  /* [h·G + g]: lane j = the largest score of tokens ≡ j mod 8 in whole groups of 8 */
+    for (int i = 0; i < H; i++) mxv[i] = _mm256_set1_ps(-INFINITY);
     for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t base = table[t0 / bs] * bs, n = t_end - t0 < bs ? t_end - t0 : bs;
         const int64_t next = next_block_base(table, t0, t_end, bs);
@@ -286,6 +288,11 @@ static inline __attribute__((always_inline)) void k_pass_avx2(
                 for (int g = 0; g < G; g++) {
                     const int i = h * G + g;
                     const __m256 sc = _mm256_mul_ps(transpose_sum8(lane + i * 8), mul);
+                    if (nj == 8) {  /* a NaN score stays out of the maximum, as in the scalar comparison below */
+                        _mm256_storeu_ps(scores + i * L + t, sc);
+                        mxv[i] = _mm256_max_ps(sc, mxv[i]);  /* maxps: the 2nd operand where either is NaN */
+                        continue;
+                    }
                     float out[8];
                     _mm256_storeu_ps(out, sc);
                     for (int j = 0; j < nj; j++) {
@@ -295,6 +302,12 @@ static inline __attribute__((always_inline)) void k_pass_avx2(
                 }
             }
         }
+    }
+    for (int i = 0; i < H; i++) {  /* NaN never entered mxv */
+        float m8[8];
+        _mm256_storeu_ps(m8, mxv[i]);
+        for (int j = 0; j < 8; j++)
+            if (m8[j] > mx[i]) mx[i] = m8[j];
     }
 }
 
