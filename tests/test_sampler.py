@@ -111,7 +111,7 @@ def _first_max_or_nan(row: list[float]) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_argmax_kernel_is_first_max_or_first_nan(dtype):
     """The plain-greedy path's argmax (kvs_argmax_rows on the CPU) against plain Python and torch.max:
-    rows shorter and longer than a 16-lane vector and around its edges, a 49,152-entry row (SmolLM2's
+    rows shorter and longer than an 8- or 16-lane vector and around their edges, a 49,152-entry row (SmolLM2's
     vocabulary), heavy ties (rounded values, equal rows), -inf rows, +inf, NaN in the vector part and
     in the tail, and a non-contiguous slice."""
     from kvserve.attention import kv_quant_kernel
@@ -119,7 +119,7 @@ def test_greedy_argmax_kernel_is_first_max_or_first_nan(dtype):
 
     g = torch.Generator().manual_seed(5)
     cases = []
-    for n in (1, 15, 16, 17, 31, 32, 33, 100, 49152):
+    for n in (1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 100, 49152):  # edges of 8- (AVX2) and 16-lane (AVX-512) vectors
         x = torch.randn(4, n, generator=g)
         ties = x.round()
         nan = x.clone()
