@@ -236,6 +236,38 @@ def test_decode_plan_bit_identical_to_module_path(dtype, weight_dtype, bias, kv_
         assert [x.top_logprobs for x in a.logprobs] == [x.top_logprobs for x in b.logprobs]  # exact
 
 
+@pytest.mark.parametrize("dtype,weight_dtype,inter,threads", [
+    ("bfloat16", "int4", 128, 2), ("bfloat16", "int4", 96, 3), ("float32", "float32", 40, 2)])
+def test_decode_plan_of_one_sequence_bit_identical_to_module_path(dtype, weight_dtype, inter, threads):
+    """A decode step of one sequence in the one C call splits its rows' elementwise work (SiLU·up) over
+    the threads in pieces of whole 16-element vectors (96 over 3 threads: 32 each; 40 over 2: 32 + 8, a
+    tail): the same tokens and the very same logprobs as the module path, which runs each row whole."""
+    from kvserve import SamplingParams
+    from kvserve.models.catalog import DUMMY_PRESETS
+    from tests.conftest import tiny_llm
+
+    if (int4_kernel() if weight_dtype == "int4" else gemv_kernel()) is None:
+        pytest.skip("kvserve's int4 kernel needs AVX512-BF16 or AVX2 and cc; the dense GEMV AVX-512 or AVX2 and cc")
+    sp = SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = []
+        for use_plan in (True, False):
+            llm = tiny_llm(dtype=dtype, weight_dtype=weight_dtype,
+                           dummy_config=DUMMY_PRESETS["tiny-llama"].replace(intermediate_size=inter))
+            model = llm.engine.runner.model
+            model.use_decode_plan = use_plan
+            results.append(llm.generate([list(range(5, 25))], sp)[0].outputs[0])
+            if use_plan:
+                assert model.decode_plan(llm.engine.runner.kv_caches).one_call_layers is not None
+    finally:
+        torch.set_num_threads(before)
+    a, b = results
+    assert a.token_ids == b.token_ids
+    assert [x.top_logprobs for x in a.logprobs] == [x.top_logprobs for x in b.logprobs]  # exact
+
+
 @pytest.mark.parametrize("weight_dtype", ["int4", "float32"])
 def test_one_call_step_checks_the_token_ids_it_gathers(weight_dtype):
     """The one-call step gathers the embedding rows in C: an id outside the table raises IndexError (as

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "kernel_math.h"
+#include <omp.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -239,10 +240,12 @@ void kvs_add_rms_norm(void *x, const void *residual, int res_code, const void *w
     rms_norm_team(x, residual, res_code, w, w_code, eps, out, out_code, T, n, act);
 }
 
+/* Elements [i0, i1) of row t. */
 static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, const int in, void *out,
-                                                               const int out_code, int64_t t, int I, const int act) {
+                                                               const int out_code, int64_t t, int I, int i0, int i1,
+                                                               const int act) {
     const int64_t r = t * 2 * (int64_t)I;
-    for (int i = 0; i < I; i++) {
+    for (int i = i0; i < i1; i++) {
         float g = load(gu, r + i, in), u = load(gu, r + I + i, in);
         if (in != act) { g = round_to(g, act); u = round_to(u, act); }  /* in == act: already exact */
         const float e = exp_nonpos(-fabsf(g));  /* e^-|g|: sigmoid without overflow */
@@ -253,20 +256,20 @@ static inline __attribute__((always_inline)) void silu_mul_row(const void *gu, c
 
 #ifdef __AVX512F__
 /* silu_mul_row of a bfloat16 model (bfloat16 in and out) on 16 lanes: the same operations and roundings */
-static inline void silu_mul_row_bf16(const uint16_t *gu, uint16_t *out, int64_t t, int I) {
+static inline void silu_mul_row_bf16(const uint16_t *gu, uint16_t *out, int64_t t, int I, int i0, int i1) {
     const uint16_t *g_row = gu + t * 2 * (int64_t)I, *u_row = g_row + I;
     uint16_t *o = out + t * (int64_t)I;
     const __m512 one = _mm512_set1_ps(1.f);
-    int i = 0;
-    for (; i + 16 <= I; i += 16) {
+    int i = i0;
+    for (; i + 16 <= i1; i += 16) {
         const __m512 g = bf16x16_to_ps(g_row + i), u = bf16x16_to_ps(u_row + i);
         const __m512 e = exp_nonpos_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
         const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, one);
         const __m512 silu = ps_round_bf16(_mm512_mul_ps(g, _mm512_div_ps(num, _mm512_add_ps(one, e))));
         ps_store_bf16(o + i, _mm512_mul_ps(silu, u));
     }
-    if (i < I) {  /* the rest one by one, as silu_mul_row */
-        for (int j = i; j < I; j++) {
+    if (i < i1) {  /* the rest one by one, as silu_mul_row */
+        for (int j = i; j < i1; j++) {
             const float g = bf16_to_float(g_row[j]), u = bf16_to_float(u_row[j]);
             const float e = exp_nonpos(-fabsf(g));
             const float sig = (g >= 0.f ? 1.f : e) / (1.f + e);
@@ -280,15 +283,21 @@ static inline void silu_mul_row_bf16(const uint16_t *gu, uint16_t *out, int64_t 
  * to the activation dtype before the product (as eager F.silu(gate) * up). gu: [T, 2I] in code `in`;
  * out: [T, I] in out_code (the activation dtype's result, cast). */
 static void silu_mul_team(const void *gu, int in, void *out, int out_code, int64_t T, int I, int act) {
+    /* fewer rows than threads (a decode step of one sequence): each row in as many pieces of whole
+     * 16-element vectors, so no thread waits at the next barrier for one that did a whole row */
+    const int nt = omp_get_num_threads(), P = T < nt ? nt : 1, piece = ((I + P - 1) / P + 15) / 16 * 16;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; t++) {  /* the dtypes as constants, so the row loop vectorizes */
+    for (int64_t item = 0; item < T * P; item++) {  /* the dtypes as constants, so the row loop vectorizes */
+        const int64_t t = item / P;
+        const int i0 = (int)(item % P) * piece, i1 = i0 + piece < I ? i0 + piece : I;
+        if (i0 >= i1) continue;
 #ifdef __AVX512F__
-        if (in == 4 && out_code == 4 && act == 4) { silu_mul_row_bf16(gu, out, t, I); continue; }
+        if (in == 4 && out_code == 4 && act == 4) { silu_mul_row_bf16(gu, out, t, I, i0, i1); continue; }
 #endif
-        if (in == 4 && out_code == 4 && act == 4) silu_mul_row(gu, 4, out, 4, t, I, 4);
-        else if (in == 3 && out_code == 3 && act == 3) silu_mul_row(gu, 3, out, 3, t, I, 3);
-        else if (act == 4) silu_mul_row(gu, in, out, out_code, t, I, 4);
-        else silu_mul_row(gu, in, out, out_code, t, I, 3);
+        if (in == 4 && out_code == 4 && act == 4) silu_mul_row(gu, 4, out, 4, t, I, i0, i1, 4);
+        else if (in == 3 && out_code == 3 && act == 3) silu_mul_row(gu, 3, out, 3, t, I, i0, i1, 3);
+        else if (act == 4) silu_mul_row(gu, in, out, out_code, t, I, i0, i1, 4);
+        else silu_mul_row(gu, in, out, out_code, t, I, i0, i1, 3);
     }
 }
 
