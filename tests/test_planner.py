@@ -250,8 +250,9 @@ def test_plan_cli_text_sweep_and_errors(capsys, tmp_path):
     # the table says what it is: model, hardware, dtypes, what is held fixed and the terms' unit
     title = out.splitlines()[0]
     assert "llama-3-70b" in title and "4× h100-sxm" in title and "weights bf16, KV bf16" in title
-    assert "8,192 prompt" in title and "in ms per step" in out.splitlines()[1]
-    assert "fits = no" in out  # batch 256 at 8192 tokens: KV 708 GB over 4 GPUs
+    # default prompt: 8192 capped so that prompt + 250 output tokens fit Llama 3's 8192-token context
+    assert "7,942 prompt" in title and "in ms per step" in out.splitlines()[1] and "NOTE" not in out
+    assert "fits = no" in out  # batch 256 at 7942 tokens: KV 687 GB over 4 GPUs
     assert main(["plan", "--model", "smollm2-135m", "--hardware", "h200", "--sweep", "context", "--batch", "2",
                  "--plot", str(png)]) == 0
     out = capsys.readouterr().out
@@ -263,8 +264,9 @@ def test_plan_cli_text_sweep_and_errors(capsys, tmp_path):
 
 
 def test_context_sweep_stops_at_the_models_context_length():
-    """A context sweep plans no prompt past the model's max_position_embeddings (SmolLM2: 8192; the sweep
-    used to run to 131072), and ends on that length when no step of the sweep lands on it."""
+    """A context sweep plans no prompt the engine would reject: none past the model's
+    max_position_embeddings less the output tokens (SmolLM2: 8192; the sweep used to run to 131072), and
+    it ends on that length when no step of the sweep lands on it."""
     from dataclasses import replace
 
     from kvserve.planner.hardware import efficiency_for
@@ -273,11 +275,13 @@ def test_context_sweep_stops_at_the_models_context_length():
     hw, shape = HARDWARE["h100-sxm"], get_model("smollm2-135m")
     eff = efficiency_for(hw)
     assert shape.max_position_embeddings == 8192
-    assert [x for x, _ in sweep(shape, hw, eff, Workload(), "context")] == [512, 1024, 2048, 4096, 8192]
+    # the longest prompt leaves room for the 250 output tokens: 8192 - 250
+    assert [x for x, _ in sweep(shape, hw, eff, Workload(), "context")] == [512, 1024, 2048, 4096, 7942]
+    assert [x for x, _ in sweep(shape, hw, eff, Workload(output_tokens=0), "context")] == [512, 1024, 2048, 4096, 8192]
     short = replace(shape, max_position_embeddings=3000)
-    assert [x for x, _ in sweep(short, hw, eff, Workload(), "context")] == [512, 1024, 2048, 3000]
+    assert [x for x, _ in sweep(short, hw, eff, Workload(), "context")] == [512, 1024, 2048, 2750]
     tiny = replace(shape, max_position_embeddings=300)
-    assert [x for x, _ in sweep(tiny, hw, eff, Workload(), "context")] == [300]
+    assert [x for x, _ in sweep(tiny, hw, eff, Workload(), "context")] == [50]
 
 
 def test_probe_saves_and_local_loads(tmp_path, monkeypatch):
@@ -347,26 +351,57 @@ def test_plan_on_local_uses_the_rates_of_the_compute_dtype(tmp_path, monkeypatch
 
 def test_plan_on_local_defaults_to_what_the_engine_runs(tmp_path, monkeypatch, capsys):
     """`plan --hardware local` without dtypes plans what `kvserve generate` runs by default: the bundled
-    model's Q4_1 GGUF kept as int4 with a float32 KV cache, another model in float32; a GPU plan stays
-    bf16/bf16. Each default is checked against the plan given that dtype explicitly."""
+    model's Q4_1 layers kept as int4 and its Q8_0 LM head as int8 ("matrices: 120 int4, 1 int8"), with a
+    float32 KV cache; another model in float32; a GPU plan stays bf16/bf16. Hand-computed: the default
+    reads SmolLM2's 49,152 × 576 head at 1 byte per weight instead of int4's 0.625, the rest as int4."""
     from kvserve.cli import main
     from kvserve.planner import probe as pr
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     pr.save_probe(pr.ProbeResult(2, 8e9, {"float32": 20e9}, {"float32": 100e9}, {"float32": 10e9}, 1e-3, 2e-4))
 
-    def workload(*args):
+    def plan_json(*args):
         assert main(["plan", *args, "--json"]) == 0
-        got = json.loads(capsys.readouterr().out)
-        return got["workload"]["weight_dtype"], got["workload"]["kv_dtype"], got["itl_ms"]
+        return json.loads(capsys.readouterr().out)
 
-    w, kv, itl = workload("--hardware", "local")
-    assert (w, kv) == ("int4", "fp32") and itl == workload("--hardware", "local", "--weight-dtype", "int4",
-                                                           "--kv-dtype", "float32")[2]
-    assert workload("--hardware", "local", "--model", "smollm2-135m")[:2] == ("int4", "fp32")
-    assert workload("--hardware", "local", "--model", "gemma-3-270m")[:2] == ("fp32", "fp32")  # Q4_K_M: float32
-    assert workload("--hardware", "local", "--kv-dtype", "int8")[:2] == ("int4", "int8")
-    assert workload("--hardware", "h200", "--model", "smollm2-135m")[:2] == ("bf16", "bf16")
+    default, int4 = plan_json("--hardware", "local"), plan_json("--hardware", "local", "--weight-dtype", "int4")
+    assert (default["workload"]["weight_dtype"], default["workload"]["kv_dtype"]) == ("int4", "fp32")
+    assert default["workload"]["weight_note"] == "int8 LM head" and int4["workload"]["weight_bytes_per_param"] == 0
+    head = 49152 * 576
+    assert default["terms"]["weight_bytes"] == pytest.approx(int4["terms"]["weight_bytes"] + head * (1 - 0.625))
+    assert plan_json("--hardware", "local", "--kv-dtype", "float32")["itl_ms"] == default["itl_ms"]
+    assert main(["plan", "--hardware", "local"]) == 0
+    assert "weights int4 (int8 LM head: " in capsys.readouterr().out.splitlines()[0]
+
+    def dtypes(*args):
+        w = plan_json(*args)["workload"]
+        return w["weight_dtype"], w["kv_dtype"]
+
+    assert dtypes("--hardware", "local", "--model", "smollm2-135m") == ("int4", "fp32")
+    assert dtypes("--hardware", "local", "--model", "gemma-3-270m") == ("fp32", "fp32")  # Q4_K_M: float32
+    assert dtypes("--hardware", "local", "--kv-dtype", "int8") == ("int4", "int8")
+    assert dtypes("--hardware", "h200", "--model", "smollm2-135m") == ("bf16", "bf16")
+
+
+def test_plan_flags_a_request_past_the_context_length(capsys):
+    """The engine rejects prompt + max_tokens past max_model_len, so a plan past the model's context
+    length says so (text NOTE, JSON within_context), and the default prompt (8192) shrinks to fit with
+    the output tokens. Llama 3.1 keeps Llama 3's shape with a 131,072-token context instead of 8,192."""
+    from kvserve.cli import main
+
+    def run(*args):
+        assert main(["plan", *args]) == 0
+        return capsys.readouterr().out
+
+    assert "NOTE" not in run("--model", "llama-3-70b")
+    assert json.loads(run("--model", "llama-3-70b", "--json"))["workload"]["prompt_tokens"] == 8192 - 250
+    out = run("--model", "llama-3-70b", "--prompt-tokens", "8192")
+    assert "NOTE: 8,442 tokens exceed the model's context length (max_position_embeddings 8,192)" in out
+    assert json.loads(run("--model", "llama-3-70b", "--prompt-tokens", "8192", "--json"))["within_context"] is False
+    assert "NOTE" not in run("--model", "llama-3.1-70b", "--prompt-tokens", "8192")
+    assert json.loads(run("--model", "llama-3.1-70b", "--json"))["workload"]["prompt_tokens"] == 8192
+    assert "NOTE: 8,192 prompt + 250 output tokens exceed" in run("--model", "llama-3-70b", "--prompt-tokens",
+                                                                  "8192", "--sweep", "batch", "--plot", "/dev/null")
 
 
 def test_explain_plumbing_on_a_tiny_model():

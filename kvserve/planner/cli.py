@@ -34,7 +34,9 @@ def add_planner_parsers(sub) -> None:
     p.add_argument("--hardware", default="h100-sxm", help="a100-80gb-sxm, h100-sxm, h100-pcie, h200, b200, "
                    "mi300x, l40s, or local (after `kvserve probe`)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs")
-    p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="default 8192, or the longest prompt the model's context length leaves room for "
+                   "with --output-tokens")
     p.add_argument("--output-tokens", type=int, default=250)
     p.add_argument("--batch", type=int, default=1, help="concurrent sequences decoding together")
     p.add_argument("--weight-dtype", default=None, type=_plan_dtype,
@@ -84,16 +86,30 @@ def _resolve(a: argparse.Namespace):
     from kvserve.planner.models import get_model
 
     local = a.hardware.lower() == "local"
-    if local:  # the engine's defaults: the bundled Q4_1 GGUF kept as int4, KV in the float32 compute dtype
-        a.weight_dtype = a.weight_dtype or ("int4" if a.model in (None, "smollm2-135m") else "fp32")
+    # the engine's defaults on local: the bundled GGUF's Q4_1 layers kept as int4 and its Q8_0 LM head as
+    # int8 (`generate`: "matrices: 120 int4, 1 int8"), KV in the float32 compute dtype
+    bundled_mix = local and a.weight_dtype is None and a.model in (None, "smollm2-135m")
+    if local:
+        a.weight_dtype = a.weight_dtype or ("int4" if bundled_mix else "fp32")
         a.kv_dtype = a.kv_dtype or "fp32"
     else:
         a.weight_dtype, a.kv_dtype = a.weight_dtype or "bf16", a.kv_dtype or "bf16"
     if a.model is None:
         a.model = "smollm2-135m" if local else "llama-3-70b"
     shape = get_model(a.model)
+    if a.prompt_tokens is None:  # a request the engine would accept (prompt + output <= context length)
+        a.prompt_tokens = max(min(8192, shape.max_position_embeddings - a.output_tokens), 1)
+    per_param, note = 0.0, ""
+    if bundled_mix:  # layers at int4's bytes, the head (the tied embedding's size) at int8's
+        from kvserve.planner.shapes import dtype_bytes
+
+        head = shape.embedding_params()
+        per_param = ((shape.params_read_per_step(1) - head) * dtype_bytes("int4") + head * dtype_bytes("int8")) \
+            / shape.params_read_per_step(1)
+        note = "int8 LM head"
     w = Workload(a.prompt_tokens, a.output_tokens, a.batch, a.tp, a.weight_dtype, a.kv_dtype, a.chunk_tokens,
-                 a.tokenize_ms, a.queue_ms, a.network_ms).validate()
+                 a.tokenize_ms, a.queue_ms, a.network_ms, weight_bytes_per_param=per_param,
+                 weight_note=note).validate()
     if local:  # this machine's rates for the dtype the engine would compute in (packed weights: bf16)
         from dataclasses import replace
 

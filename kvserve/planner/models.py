@@ -49,6 +49,9 @@ MODELS: dict[str, ModelShape] = {
 # Names of the same shape (Llama 3.1 / 3.3 keep Llama 3's shape; the context limit differs).
 ALIASES = {"llama-3.1-8b": "llama-3-8b", "llama-3.1-70b": "llama-3-70b", "llama-3.3-70b": "llama-3-70b",
            "mistral-7b-v0.3": "mistral-7b", "deepseek-r1": "deepseek-v3"}
+# an alias's own context length where it differs from its shape's (max_position_embeddings of
+# meta-llama/Llama-3.1-8B, Llama-3.1-70B and Llama-3.3-70B-Instruct config.json: 131072; Llama 3: 8192)
+ALIAS_CONTEXT = {"llama-3.1-8b": 131072, "llama-3.1-70b": 131072, "llama-3.3-70b": 131072}
 
 
 def known_models() -> list[str]:
@@ -61,7 +64,9 @@ def get_model(name_or_path: str) -> ModelShape:
     key = name_or_path.lower()
     if key in MODELS or key in ALIASES:
         shape = MODELS[ALIASES.get(key, key)]
-        return shape.replace(name=key) if key in ALIASES else shape
+        if key not in ALIASES:
+            return shape
+        return shape.replace(name=key, max_position_embeddings=ALIAS_CONTEXT.get(key, shape.max_position_embeddings))
     if name_or_path.lower().endswith(".gguf") and os.path.isfile(name_or_path):
         return shape_from_gguf(name_or_path)
     path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else name_or_path

@@ -24,9 +24,21 @@ def plan_dict(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> dict:
         "prefill": {"num_steps": len(p.prefill), "flops": sum(s.flops for s in p.prefill),
                     "bound": p.prefill[-1].bound if p.prefill else None},
         "kv_bytes_per_token": shape.kv_bytes_per_token(w.kv_dtype),
-        "fits": p.capacity.fits, "capacity": asdict(p.capacity),
+        "fits": p.capacity.fits, "capacity": asdict(p.capacity), "within_context": within_context(shape, w),
         "efficiency": asdict(p.efficiency),
     }
+
+
+def within_context(shape: ModelShape, w: Workload) -> bool:
+    """prompt + output tokens fit the model's context length (the engine rejects a request past it)."""
+    return w.prompt_tokens + w.output_tokens <= shape.max_position_embeddings
+
+
+def _weights(w: Workload) -> str:
+    """The weight dtype, and the bytes per weight where a mix overrides it."""
+    if not w.weight_bytes_per_param:
+        return w.weight_dtype
+    return f"{w.weight_dtype} ({w.weight_note or 'a mix'}: {8 * w.weight_bytes_per_param:.2f} bits per weight read)"
 
 
 def _provenance(e: Efficiency) -> str:
@@ -64,8 +76,11 @@ def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
     pre_flops = sum(s.flops for s in p.prefill)
     dev = "device" if hw.hardware_class == "local" else "GPU"  # local: this machine (a CPU here)
     lines = [
-        f"kvserve plan — {shape.name} on {w.tp}× {hw.name}: weights {w.weight_dtype}, KV {w.kv_dtype}, "
+        f"kvserve plan — {shape.name} on {w.tp}× {hw.name}: weights {_weights(w)}, KV {w.kv_dtype}, "
         f"batch {w.batch}, {w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens",
+        *([f"  NOTE: {w.prompt_tokens + w.output_tokens:,} tokens exceed the model's context length "
+           f"(max_position_embeddings {shape.max_position_embeddings:,}): the engine would reject this "
+           f"request; figures extrapolated"] if not within_context(shape, w) else []),
         f"  TTFT {p.ttft_ms:10.1f} ms   ({len(p.prefill)} prefill step(s), {pre_flops / 1e12:.1f} TFLOP per {dev}, "
         f"{p.prefill[-1].bound}-bound)",
         f"  ITL  {p.itl_ms:10.2f} ms   (mean; {p.decode_first.time_s * 1e3:.2f} at the first token, "
@@ -90,10 +105,11 @@ SWEEP_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def sweep(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, axis: str) -> list[tuple[int, Plan]]:
-    """Plans over prompt length (axis "context": the SWEEP_CONTEXTS up to the model's context length,
-    ``max_position_embeddings``, and that length itself if no step lands on it) or batch (axis "batch")."""
+    """Plans over prompt length (axis "context": the SWEEP_CONTEXTS up to the longest prompt the model's
+    context length, ``max_position_embeddings``, leaves room for the output tokens, and that length
+    itself if no step lands on it) or batch (axis "batch")."""
     if axis == "context":
-        limit = shape.max_position_embeddings
+        limit = max(shape.max_position_embeddings - w.output_tokens, 1)
         xs = [x for x in SWEEP_CONTEXTS if x <= limit]
         if not xs or (xs[-1] != limit and limit < SWEEP_CONTEXTS[-1]):
             xs.append(limit)
@@ -108,7 +124,7 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
     whether weights + KV fit the usable memory."""
     held = (f"batch {w.batch}, {w.output_tokens:,} output tokens" if axis == "context"
             else f"{w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens")
-    lines = [f"kvserve plan --sweep {axis} — {shape.name} on {w.tp}× {hw.name}: weights {w.weight_dtype}, "
+    lines = [f"kvserve plan --sweep {axis} — {shape.name} on {w.tp}× {hw.name}: weights {_weights(w)}, "
              f"KV {w.kv_dtype}, {held}",
              "  decode step at each row's mean context, in ms per step (weights, KV, compute, comm, overhead)",
              f"{'prompt' if axis == 'context' else 'batch':>8} {'TTFT ms':>10} {'ITL ms':>8} {'weights':>8} {'KV':>8} "
@@ -119,6 +135,11 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
         lines.append(f"{x:>8} {p.ttft_ms:>10.1f} {p.itl_ms:>8.2f} {t['weights_ms']:>8.2f} {t['kv_ms']:>8.2f} "
                      f"{t['compute_ms']:>8.2f} {t['comm_ms']:>6.2f} {t['overhead_ms']:>8.2f} "
                      f"{batch * 1e3 / p.itl_ms:>9.1f} {p.decode_mean.bound:>8} {'yes' if p.capacity.fits else 'no':>5}")
+    longest = replace(w, prompt_tokens=rows[-1][0]) if axis == "context" else w
+    if not within_context(shape, longest):
+        lines.append(f"  NOTE: {longest.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens exceed the "
+                     f"model's context length ({shape.max_position_embeddings:,}): the engine would reject them; "
+                     f"figures extrapolated")
     if not all(p.capacity.fits for _, p in rows):
         lines.append("  fits = no: weights + KV per device exceed its usable memory (more --tp, or smaller dtypes)")
     return "\n".join(lines)
