@@ -159,8 +159,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
         rows = sweep(shape, hw, eff, w, a.sweep)
         print(format_sweep(rows, a.sweep, shape, hw, w))
         path = a.plot or f"plan-{shape.name}-{a.sweep}.png"
-        plot_sweep(rows, a.sweep, f"{shape.name} on {w.tp}× {hw.name}, batch {w.batch}" if a.sweep == "context"
-                   else f"{shape.name} on {w.tp}× {hw.name}, {w.prompt_tokens} prompt tokens", path)
+        what = f"{shape.name} on {w.tp}× {hw.name}, weights {w.weight_dtype}, KV {w.kv_dtype}"
+        plot_sweep(rows, a.sweep, f"{what}, batch {w.batch}" if a.sweep == "context"
+                   else f"{what}, {w.prompt_tokens} prompt tokens", path)
         print(f"wrote {path}", file=sys.stderr)
         return 0
     p = plan(shape, hw, eff, w)
