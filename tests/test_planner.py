@@ -350,9 +350,10 @@ def test_plan_on_local_uses_the_rates_of_the_compute_dtype(tmp_path, monkeypatch
 
 
 def test_plan_on_local_defaults_to_what_the_engine_runs(tmp_path, monkeypatch, capsys):
-    """`plan --hardware local` without dtypes plans what `kvserve generate` runs by default: the bundled
-    model's Q4_1 layers kept as int4 and its Q8_0 LM head as int8 ("matrices: 120 int4, 1 int8"), with a
-    float32 KV cache; another model in float32; a GPU plan stays bf16/bf16. Hand-computed: the default
+    """`plan --hardware local` without dtypes plans what `kvserve generate` runs by default: a GGUF's
+    Q4_0/Q4_1 matrices kept as int4 and Q8_0 as int8, the rest float32 (the bundled model, by name or
+    path: 120 int4 layers' matrices and an int8 LM head, generate's "matrices: 120 int4, 1 int8"), with a
+    float32 KV cache; a preset in float32; a GPU plan stays bf16/bf16. Hand-computed: the default
     reads SmolLM2's 49,152 × 576 head at 1 byte per weight instead of int4's 0.625, the rest as int4."""
     from kvserve.cli import main
     from kvserve.planner import probe as pr
@@ -366,12 +367,18 @@ def test_plan_on_local_defaults_to_what_the_engine_runs(tmp_path, monkeypatch, c
 
     default, int4 = plan_json("--hardware", "local"), plan_json("--hardware", "local", "--weight-dtype", "int4")
     assert (default["workload"]["weight_dtype"], default["workload"]["kv_dtype"]) == ("int4", "fp32")
-    assert default["workload"]["weight_note"] == "int8 LM head" and int4["workload"]["weight_bytes_per_param"] == 0
+    assert default["workload"]["weight_note"] == "GGUF as kept: 120 int4, 1 int8"  # generate's own count
+    assert int4["workload"]["weight_bytes_per_param"] == 0
     head = 49152 * 576
     assert default["terms"]["weight_bytes"] == pytest.approx(int4["terms"]["weight_bytes"] + head * (1 - 0.625))
     assert plan_json("--hardware", "local", "--kv-dtype", "float32")["itl_ms"] == default["itl_ms"]
     assert main(["plan", "--hardware", "local"]) == 0
-    assert "weights int4 (int8 LM head: " in capsys.readouterr().out.splitlines()[0]
+    assert "weights int4 (GGUF as kept: 120 int4, 1 int8: 5.63 bits" in capsys.readouterr().out.splitlines()[0]
+    # the bundled file by its path (an adversarial review found fp32 there): the same plan
+    from kvserve.models.catalog import resolve_model
+    by_path = plan_json("--hardware", "local", "--model", resolve_model("smollm2-135m").path)
+    assert by_path["terms"]["weight_bytes"] == default["terms"]["weight_bytes"]
+    assert by_path["workload"]["weight_note"] == default["workload"]["weight_note"]
 
     def dtypes(*args):
         w = plan_json(*args)["workload"]
@@ -623,3 +630,42 @@ def test_probe_command_reports_an_unmeasurable_rate_as_an_error(monkeypatch, cap
     err = capsys.readouterr().err
     assert err.startswith("kvserve: error: measure_kv_read: 4096 tokens") and "Traceback" not in err
     assert not os.path.exists(probe.probe_path())
+
+
+def test_gguf_auto_weights_decides_per_fused_module(tmp_path):
+    """The planner's view of `--weight-dtype auto` on a GGUF, per module as the engine quantizes it:
+    Q4_0/Q4_1 → int4, Q8_0 → int8, anything else float; q/k/v (one QKV module) and gate/up of mixed types
+    stay float; a file without output.weight reads its token embedding as the LM head. Hand-counted on a
+    written file: QKV (Q4_1, Q4_1, Q8_0) float, O (Q4_0) int4, gate/up (Q8_0) int8, down (F32) float,
+    head (Q8_0 embedding) int8."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q, GGUFWriter
+    from gguf.quants import quantize
+
+    from kvserve.config import ConfigError
+    from kvserve.planner.models import gguf_auto_weights
+
+    path = str(tmp_path / "mix.gguf")
+    w = GGUFWriter(path, "llama")
+    rng = np.random.default_rng(0)
+    for name, qt, shape in [("token_embd", Q.Q8_0, (128, 64)), ("blk.0.attn_q", Q.Q4_1, (64, 64)),
+                            ("blk.0.attn_k", Q.Q4_1, (64, 64)), ("blk.0.attn_v", Q.Q8_0, (64, 64)),
+                            ("blk.0.attn_output", Q.Q4_0, (64, 64)), ("blk.0.ffn_gate", Q.Q8_0, (64, 64)),
+                            ("blk.0.ffn_up", Q.Q8_0, (64, 64)), ("blk.0.ffn_down", Q.F32, (64, 64)),
+                            ("blk.0.attn_norm", Q.F32, (64,))]:
+        a = rng.random(shape, dtype=np.float32)
+        if qt == Q.F32:
+            w.add_tensor(f"{name}.weight", a)
+        else:
+            w.add_tensor(f"{name}.weight", quantize(a, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    kind, per_param, counts = gguf_auto_weights(path, float_bytes=4.0)
+    assert counts == "1 int4, 2 int8, 2 float"
+    float_params, int8_params, int4_params = 3 * 4096 + 4096, 8192 + 8192, 4096
+    assert per_param == pytest.approx((4 * float_params + 1 * int8_params + 0.625 * int4_params)
+                                      / (float_params + int8_params + int4_params))
+    with pytest.raises(ConfigError, match="cannot read GGUF"):
+        gguf_auto_weights(str(tmp_path / "missing.gguf"), 4.0)

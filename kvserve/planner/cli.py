@@ -41,8 +41,9 @@ def add_planner_parsers(sub) -> None:
     p.add_argument("--batch", type=int, default=1, help="concurrent sequences decoding together")
     p.add_argument("--weight-dtype", default=None, type=_plan_dtype,
                    help="fp32|bf16|fp16|fp8|int8|int4 (or float32, bfloat16, fp8_e4m3 ...); default bf16, on "
-                   "--hardware local what `kvserve generate` runs: int4 for the bundled model (its Q4_1 GGUF "
-                   "kept packed), fp32 for another")
+                   "--hardware local what `kvserve generate` runs: a GGUF's Q4_0/Q4_1 matrices as int4 and "
+                   "Q8_0 as int8, the rest fp32 (the bundled model: int4 with an int8 LM head); fp32 without "
+                   "a GGUF")
     p.add_argument("--kv-dtype", default=None, type=_plan_dtype,
                    help="as --weight-dtype; default bf16, on --hardware local fp32 (the engine's default, the "
                    "float32 compute dtype)")
@@ -86,27 +87,16 @@ def _resolve(a: argparse.Namespace):
     from kvserve.planner.models import get_model
 
     local = a.hardware.lower() == "local"
-    # the engine's defaults on local: the bundled GGUF's Q4_1 layers kept as int4 and its Q8_0 LM head as
-    # int8 (`generate`: "matrices: 120 int4, 1 int8"), KV in the float32 compute dtype
-    bundled_mix = local and a.weight_dtype is None and a.model in (None, "smollm2-135m")
-    if local:
-        a.weight_dtype = a.weight_dtype or ("int4" if bundled_mix else "fp32")
-        a.kv_dtype = a.kv_dtype or "fp32"
-    else:
-        a.weight_dtype, a.kv_dtype = a.weight_dtype or "bf16", a.kv_dtype or "bf16"
-    if a.model is None:
-        a.model = "smollm2-135m" if local else "llama-3-70b"
+    model = a.model or ("smollm2-135m" if local else "llama-3-70b")
+    per_param, note = 0.0, ""
+    if local and a.weight_dtype is None:  # what `generate --model <the same>` keeps (weight_dtype auto)
+        a.weight_dtype, per_param, note = _engine_weights(model)
+    a.weight_dtype = a.weight_dtype or "bf16"
+    a.kv_dtype = a.kv_dtype or ("fp32" if local else "bf16")  # local: the engine's float32 compute dtype
+    a.model = model
     shape = get_model(a.model)
     if a.prompt_tokens is None:  # a request the engine would accept (prompt + output <= context length)
         a.prompt_tokens = max(min(8192, shape.max_position_embeddings - a.output_tokens), 1)
-    per_param, note = 0.0, ""
-    if bundled_mix:  # layers at int4's bytes, the head (the tied embedding's size) at int8's
-        from kvserve.planner.shapes import dtype_bytes
-
-        head = shape.embedding_params()
-        per_param = ((shape.params_read_per_step(1) - head) * dtype_bytes("int4") + head * dtype_bytes("int8")) \
-            / shape.params_read_per_step(1)
-        note = "int8 LM head"
     w = Workload(a.prompt_tokens, a.output_tokens, a.batch, a.tp, a.weight_dtype, a.kv_dtype, a.chunk_tokens,
                  a.tokenize_ms, a.queue_ms, a.network_ms, weight_bytes_per_param=per_param,
                  weight_note=note).validate()
@@ -127,6 +117,26 @@ def _resolve(a: argparse.Namespace):
         return shape, probe.hardware(), probe.efficiency(), w
     hw = get_hardware(a.hardware)
     return shape, hw, efficiency_for(hw), w
+
+
+def _engine_weights(model: str) -> tuple[str, float, str]:
+    """(weight dtype, bytes per parameter or 0 for the dtype's own, note) of what the engine runs for
+    ``model`` by default: a GGUF (a path or a catalog name's bundled file) keeps its Q4_0/Q4_1 and Q8_0
+    matrices packed, the rest float32; anything else (a preset, an HF directory) float32."""
+    from kvserve.config import ConfigError
+    from kvserve.models.catalog import resolve_model
+    from kvserve.planner.models import gguf_auto_weights
+
+    try:
+        source = resolve_model(model if model.lower().endswith(".gguf") else model.lower())
+    except ConfigError:
+        return "fp32", 0.0, ""
+    if source.kind != "gguf":
+        return "fp32", 0.0, ""
+    kind, per_param, counts = gguf_auto_weights(source.path, float_bytes=4.0)
+    if "," not in counts:  # one kind throughout: the dtype's own size
+        return {"float": "fp32"}.get(kind, kind), 0.0, ""
+    return {"float": "fp32"}.get(kind, kind), per_param, f"GGUF as kept: {counts}"
 
 
 def _spec(a, shape, hw, eff, w, p) -> dict | None:

@@ -125,3 +125,51 @@ def shape_from_gguf(path: str) -> ModelShape:
 
     cfg = read_gguf_config(path)
     return ModelShape.from_model_config(cfg, os.path.splitext(os.path.basename(path))[0])
+
+
+# the matrices kvserve fuses into one module (QKV; gate/up): one kind for the group, as the engine's
+# quantize step decides per module (kvserve.models.quant: a module of mixed checkpoint types stays float)
+_FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up", "ffn_up": "gate_up"}
+
+
+def gguf_auto_weights(path: str, float_bytes: float) -> tuple[str, float, str]:
+    """What ``--weight-dtype auto`` keeps of a GGUF file's matrices, for the planner: (the weight dtype
+    of most parameters, bytes per parameter read per step, the matrix counts as "120 int4, 1 int8").
+    Per module as the engine decides (kvserve.models.quant._choose): Q4_0/Q4_1 → int4, Q8_0 → int8,
+    anything else (or a fused module of mixed types) → float of ``float_bytes``. The LM head is
+    ``output.weight``, or the token embedding where the file has none (tied). Reads tensor types only.
+    Raises ConfigError for a file the reader cannot open."""
+    from kvserve.planner.shapes import dtype_bytes
+
+    try:
+        from gguf import GGUFReader
+
+        tensors = GGUFReader(path).tensors
+    except Exception as exc:  # a truncated or foreign file
+        raise ConfigError(f"cannot read GGUF tensor types from {path}: {exc}") from None
+    modules: dict[str, list] = {}
+    names = {t.name for t in tensors}
+    for t in tensors:
+        if len(t.shape) != 2 or not t.name.endswith(".weight"):
+            continue
+        stem = t.name.removesuffix(".weight")
+        if stem == "token_embd" and "output.weight" in names:
+            continue  # an input table: only the looked-up rows are read (the cost model adds them)
+        blk, _, part = stem.rpartition(".")
+        key = f"{blk}.{_FUSED[part]}" if blk and part in _FUSED else stem
+        modules.setdefault(key, []).append((t.tensor_type.name, int(t.n_elements)))
+    kind_bytes = {"int4": dtype_bytes("int4"), "int8": dtype_bytes("int8"), "float": float_bytes}
+    counts: dict[str, int] = {}
+    params: dict[str, int] = {}
+    for parts in modules.values():
+        types = {ty for ty, _ in parts}
+        ty = types.pop() if len(types) == 1 else None
+        kind = "int4" if ty in ("Q4_0", "Q4_1") else "int8" if ty == "Q8_0" else "float"
+        counts[kind] = counts.get(kind, 0) + 1
+        params[kind] = params.get(kind, 0) + sum(n for _, n in parts)
+    total = sum(params.values())
+    if not total:
+        raise ConfigError(f"{path} holds no 2-D weight matrices")
+    per_param = sum(kind_bytes[k] * n for k, n in params.items()) / total
+    main = max(params, key=params.get)
+    return main, per_param, ", ".join(f"{counts[k]} {k}" for k in ("int4", "int8", "float") if k in counts)
