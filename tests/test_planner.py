@@ -232,7 +232,7 @@ def test_plan_cli_json(capsys):
     assert d["kv_bytes_per_token"] == 327_680 and d["fits"] is True and d["dominant"] == "weights"
 
 
-def test_plan_cli_text_sweep_and_errors(capsys, tmp_path):
+def test_plan_cli_text_sweep_and_errors(capsys, tmp_path, monkeypatch):
     from kvserve.cli import main
 
     assert main(["plan", "--model", "deepseek-v3", "--hardware", "h200", "--tp", "8", "--weight-dtype", "fp8",
@@ -258,6 +258,15 @@ def test_plan_cli_text_sweep_and_errors(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "smollm2-135m on 1× h200" in out and "batch 2" in out.splitlines()[0] and "fits = no" not in out
     assert out.splitlines()[2].split()[0] == "prompt"
+    # --json: one object with each row's plan (the same figures as the table), no PNG unless --plot asks
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--model", "smollm2-135m", "--hardware", "h200", "--sweep", "context", "--batch", "2",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert [r["context"] for r in got["rows"]] == [int(line.split()[0]) for line in out.splitlines()[3:]]
+    assert [round(r["itl_ms"], 2) for r in got["rows"]] == [float(line.split()[2]) for line in out.splitlines()[3:]]
+    assert all(r["workload"]["prompt_tokens"] == r["context"] for r in got["rows"])
+    assert not list(tmp_path.glob("plan-*.png"))
     assert main(["plan", "--model", "no-such-model"]) == 2
     assert main(["plan", "--hardware", "tpu-v9"]) == 2
     assert "unknown hardware" in capsys.readouterr().err

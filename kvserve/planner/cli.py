@@ -54,7 +54,8 @@ def add_planner_parsers(sub) -> None:
     p.add_argument("--spec-acceptance", type=float, default=None, help="speculative decoding: acceptance rate α")
     p.add_argument("--spec-tokens", type=int, default=4, help="speculative decoding: draft length γ")
     p.add_argument("--draft-model", default=None, help="draft model for speculative decoding (its cost is added)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object (with --sweep: its rows, and a PNG "
+                   "only if --plot names one)")
     p.add_argument("--sweep", choices=["context", "batch"], default=None, help="table + PNG over context or batch")
     p.add_argument("--plot", default=None, help="PNG path for --sweep (default plan-<model>-<axis>.png)")
     p.set_defaults(func=cmd_plan)
@@ -161,13 +162,21 @@ def _spec(a, shape, hw, eff, w, p) -> dict | None:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from kvserve.planner.cost import plan
     from kvserve.planner.report import format_plan, format_sweep, plan_dict, plot_sweep, sweep
 
     shape, hw, eff, w = _resolve(a)
     if a.sweep:
         rows = sweep(shape, hw, eff, w, a.sweep)
-        print(format_sweep(rows, a.sweep, shape, hw, w))
+        if a.json:  # one JSON object: the axis and each row's plan; a PNG only where --plot asks for one
+            print(json.dumps({"axis": a.sweep, "rows": [{a.sweep: x} | plan_dict(p, shape, hw, replace(
+                w, **({"prompt_tokens": x} if a.sweep == "context" else {"batch": x}))) for x, p in rows]}))
+            if not a.plot:
+                return 0
+        else:
+            print(format_sweep(rows, a.sweep, shape, hw, w))
         path = a.plot or f"plan-{shape.name}-{a.sweep}.png"
         what = f"{shape.name} on {w.tp}× {hw.name}, weights {w.weight_dtype}, KV {w.kv_dtype}"
         plot_sweep(rows, a.sweep, f"{what}, batch {w.batch}" if a.sweep == "context"
