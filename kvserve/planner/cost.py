@@ -36,7 +36,7 @@ class Workload:
     queue_ms: float = 0.0
     network_ms: float = 0.0
     weight_bytes_per_param: float = 0.0  # > 0: overrides weight_dtype's size (a mixed packed format)
-    weight_note: str = ""  # what that mix is, for the report ("int8 LM head")
+    weight_note: str = ""  # what that mix is, for the report ("GGUF as kept: 120 int4, 1 int8")
 
     @property
     def weight_bytes(self) -> float:
