@@ -7,6 +7,7 @@ concurrency, beside a plain memory-read roofline and (``--compare hf``) HF trans
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvserve.config import ConfigError
@@ -242,7 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # a reader gone early (`| head`) surfaces here, not at interpreter exit
+        return rc
     except (ConfigError, InvalidRequestError) as e:
         param = f" [{e.param}]" if getattr(e, "param", None) else ""
         print(f"kvserve: error{param}: {e}", file=sys.stderr)
@@ -252,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # stdout closed early (`kvserve plan --sweep batch | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not raise again
+        return 1
 
 
 if __name__ == "__main__":

@@ -678,3 +678,22 @@ def test_gguf_auto_weights_decides_per_fused_module(tmp_path):
                                       / (float_params + int8_params + int4_params))
     with pytest.raises(ConfigError, match="cannot read GGUF"):
         gguf_auto_weights(str(tmp_path / "missing.gguf"), 4.0)
+
+
+def test_plan_cli_stops_quietly_when_its_reader_is_gone(tmp_path, capsys):
+    """`kvserve plan --sweep batch | head -1` (a new-user finding): stdout closed before the table is
+    written gives no BrokenPipeError traceback; and `--hardware local --tp 2` is refused by name (the
+    engine has no tensor parallelism)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "plan", "--sweep", "batch", "--plot",
+                             str(tmp_path / "s.png")], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before anything is written
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    from kvserve.cli import main
+
+    assert main(["plan", "--hardware", "local", "--tp", "2"]) == 2
+    assert "--tp must be 1, got 2" in capsys.readouterr().err

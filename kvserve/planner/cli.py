@@ -83,11 +83,15 @@ def add_planner_parsers(sub) -> None:
 
 
 def _resolve(a: argparse.Namespace):
+    from kvserve.config import ConfigError
     from kvserve.planner.cost import Workload
     from kvserve.planner.hardware import efficiency_for, get_hardware
     from kvserve.planner.models import get_model
 
     local = a.hardware.lower() == "local"
+    if local and a.tp != 1:
+        raise ConfigError(f"tp: --hardware local plans this one machine, which kvserve runs without tensor "
+                          f"parallelism; --tp must be 1, got {a.tp}")
     model = a.model or ("smollm2-135m" if local else "llama-3-70b")
     per_param, note = 0.0, ""
     if local and a.weight_dtype is None:  # what `generate --model <the same>` keeps (weight_dtype auto)
