@@ -135,10 +135,11 @@ _FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_u
 def gguf_auto_weights(path: str, float_bytes: float) -> tuple[str, float, str]:
     """What ``--weight-dtype auto`` keeps of a GGUF file's matrices, for the planner: (the weight dtype
     of most parameters, bytes per parameter read per step, the matrix counts as "120 int4, 1 int8").
-    Per module as the engine decides (kvserve.models.quant._choose): Q4_0/Q4_1 → int4, Q8_0 → int8,
+    Per module by the engine's own rule (kvserve.models.quant._choose): Q4_0/Q4_1 → int4, Q8_0 → int8,
     anything else (or a fused module of mixed types) → float of ``float_bytes``. The LM head is
     ``output.weight``, or the token embedding where the file has none (tied). Reads tensor types only.
     Raises ConfigError for a file the reader cannot open."""
+    from kvserve.models.quant import _choose
     from kvserve.planner.shapes import dtype_bytes
 
     try:
@@ -164,7 +165,7 @@ def gguf_auto_weights(path: str, float_bytes: float) -> tuple[str, float, str]:
     for parts in modules.values():
         types = {ty for ty, _ in parts}
         ty = types.pop() if len(types) == 1 else None
-        kind = "int4" if ty in ("Q4_0", "Q4_1") else "int8" if ty == "Q8_0" else "float"
+        kind = _choose("auto", ty)  # the engine's own rule: 'int4' | 'int8' | 'float'
         counts[kind] = counts.get(kind, 0) + 1
         params[kind] = params.get(kind, 0) + sum(n for _, n in parts)
     total = sum(params.values())
