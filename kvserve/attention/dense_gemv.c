@@ -7,7 +7,9 @@
  * or an int8 pack matmul (SmolLM2's int8 LM head: 2.8 ms, 10 GB/s) behind its own parallel region and
  * Python call; in kvserve's one-call decode step (layer_kernel.c) they run inside one parallel region.
  * Here the weights stream at about the speed of a plain read: each thread takes a contiguous range of
- * output rows (one sequential stream), four rows at a time, with the lines ~9 KB ahead prefetched.
+ * output rows (one sequential stream), four rows at a time, with the lines ~9 KB ahead prefetched
+ * (AVX2: with prefetchnta for one or two rows of x, whose one pass reads each line once, so the
+ * weights do not evict the KV cache from the L2 and L3; see int4_gemm.c's AVX2 section).
  *
  * Arithmetic: A[m, n] = Σ_k x[m, k]·q[n, k] in float32 (bfloat16 x and int8 codes convert exactly):
  * sixteen lane sums (lane i adds the products at k ≡ i mod 16 in increasing k, fused multiply-adds),
@@ -133,7 +135,7 @@ static inline float reduce16(__m256 lo, __m256 hi) {
  * the sums A in out[m * R + r]. pf: elements ahead to prefetch (0: none); es: bytes per weight */
 static inline __attribute__((always_inline)) void dense_block(const void *w, int wc, int es, const void *x, int xc,
                                                              int64_t xs, int K, const int R, const int MB, int64_t pf,
-                                                             float *out) {
+                                                             int nta, float *out) {
     __m256 lo[4], hi[4];  /* [r * MB + m] */
     for (int i = 0; i < R * MB; i++) lo[i] = hi[i] = _mm256_setzero_ps();
     int k = 0;
@@ -141,7 +143,11 @@ static inline __attribute__((always_inline)) void dense_block(const void *w, int
         __m256 xl[2], xh[2];
         for (int m = 0; m < MB; m++) load16(x, m * xs + k, xc, &xl[m], &xh[m]);
         for (int r = 0; r < R; r++) {
-            if (pf && ((k * es) & 63) == 0) __builtin_prefetch((const char *)w + (r * (int64_t)K + k + pf) * es, 0, 3);
+            if (pf && ((k * es) & 63) == 0) {
+                const char *a = (const char *)w + (r * (int64_t)K + k + pf) * es;
+                if (nta) __builtin_prefetch(a, 0, 0);  /* prefetchnta */
+                else __builtin_prefetch(a, 0, 3);
+            }
             __m256 wl, wh;
             load16(w, r * (int64_t)K + k, wc, &wl, &wh);
             for (int m = 0; m < MB; m++) {
@@ -185,15 +191,16 @@ static inline __attribute__((always_inline)) void dense_rows(const void *w, int 
         const int MB = M - m0 < 2 ? 1 : 2;
         const void *xb = (const char *)x + m0 * K * xes;
         const int64_t p = m0 ? 0 : pf;  /* prefetch while the first rows of x pass */
+        const int nta = M <= 2;  /* one pass over the block: its lines are not needed again */
         for (int r0 = 0; r0 < R; r0 += MB == 1 ? DENSE_ROWS : 2) {
             const int Rb = MB == 1 ? R : (R - r0 < 2 ? R - r0 : 2);
             const void *wb = (const char *)w + (n0 + r0) * K * es;
-            if (MB == 1 && Rb == 4) dense_block(wb, wc, es, xb, xc, K, K, 4, 1, p, out);
-            else if (MB == 1 && Rb == 3) dense_block(wb, wc, es, xb, xc, K, K, 3, 1, p, out);
-            else if (MB == 1 && Rb == 2) dense_block(wb, wc, es, xb, xc, K, K, 2, 1, p, out);
-            else if (MB == 1) dense_block(wb, wc, es, xb, xc, K, K, 1, 1, p, out);
-            else if (Rb == 2) dense_block(wb, wc, es, xb, xc, K, K, 2, 2, p, out);
-            else dense_block(wb, wc, es, xb, xc, K, K, 1, 2, p, out);
+            if (MB == 1 && Rb == 4) dense_block(wb, wc, es, xb, xc, K, K, 4, 1, p, nta, out);
+            else if (MB == 1 && Rb == 3) dense_block(wb, wc, es, xb, xc, K, K, 3, 1, p, nta, out);
+            else if (MB == 1 && Rb == 2) dense_block(wb, wc, es, xb, xc, K, K, 2, 1, p, nta, out);
+            else if (MB == 1) dense_block(wb, wc, es, xb, xc, K, K, 1, 1, p, nta, out);
+            else if (Rb == 2) dense_block(wb, wc, es, xb, xc, K, K, 2, 2, p, nta, out);
+            else dense_block(wb, wc, es, xb, xc, K, K, 1, 2, p, nta, out);
             for (int m = 0; m < MB; m++)
                 for (int r = 0; r < Rb; r++) {
                     const int64_t i = (m0 + m) * N + n0 + r0 + r;
