@@ -697,3 +697,40 @@ def test_plan_cli_stops_quietly_when_its_reader_is_gone(tmp_path, capsys):
 
     assert main(["plan", "--hardware", "local", "--tp", "2"]) == 2
     assert "--tp must be 1, got 2" in capsys.readouterr().err
+
+
+def test_plan_without_tp_takes_the_fewest_gpus_that_hold_the_workload(capsys, tmp_path, monkeypatch):
+    """`kvserve plan` used to plan Llama-3-70B on one H100 by default and answer DOES NOT FIT (a
+    new-user finding). Without --tp it now takes the fewest of 1, 2, 4, 8 GPUs that hold the weights
+    and the KV cache, and says so; the oracle is the explicit --tp runs on either side of the choice.
+    Hand count for the default: 70.6 B bf16 weights are 141 GB, over one H100's 72 GB usable (0.9 of
+    80 GB) but 70.6 GB + 1.3 GB of KV on each of 2. At 130,000 + 250 tokens the KV is 42.7 GB: 70.6 +
+    21.3 GB is too much for 2, 35.3 + 10.7 GB fits 4. DeepSeek-V3's 671 B bf16 weights need 168 GB per
+    GPU of 8. `--hardware local` stays on its one device, without a note."""
+    from kvserve.cli import main
+
+    def plan(*args):
+        assert main(["plan", "--json", *args]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    cases = [((), 2), (("--model", "llama-3.1-70b", "--prompt-tokens", "130000"), 4), (("--model", "llama-3-8b"), 1)]
+    for args, tp in cases:
+        got = plan(*args)
+        assert got["workload"]["tp"] == tp and got["fits"], args
+        assert bool(got["workload"]["tp_note"]) == (tp > 1)
+        assert plan(*args, "--tp", str(tp))["fits"]
+        if tp > 1:
+            assert not plan(*args, "--tp", str(tp // 2))["fits"]
+            assert plan(*args, "--tp", str(tp // 2))["workload"]["tp_note"] == ""  # given: taken as is
+    got = plan("--model", "deepseek-v3")
+    assert got["workload"]["tp"] == 8 and not got["fits"] and "not even 8" in got["workload"]["tp_note"]
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    assert "llama-3-70b on 2× h100-sxm" in out.splitlines()[0] and "--tp not given: 2 GPUs" in out
+    assert "→ fits" in out
+    from kvserve.planner import probe as pr
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    pr.save_probe(pr.ProbeResult(2, 8e9, {"float32": 20e9}, {"float32": 100e9}, {"float32": 10e9}, 1e-3, 2e-4))
+    got = plan("--hardware", "local", "--model", "llama-3-70b")  # 282 GB of fp32 weights: on 1 all the same
+    assert got["workload"]["tp"] == 1 and got["workload"]["tp_note"] == "" and not got["fits"]

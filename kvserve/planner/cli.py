@@ -33,7 +33,9 @@ def add_planner_parsers(sub) -> None:
                    "llama-3-70b; on --hardware local the bundled smollm2-135m)")
     p.add_argument("--hardware", default="h100-sxm", help="a100-80gb-sxm, h100-sxm, h100-pcie, h200, b200, "
                    "mi300x, l40s, or local (after `kvserve probe`)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel GPUs (default: the fewest of 1, 2, 4, 8 whose usable memory holds the "
+                   "weights and the workload's KV cache; 1 on --hardware local)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="default 8192, or the longest prompt the model's context length leaves room for "
                    "with --output-tokens")
@@ -89,7 +91,7 @@ def _resolve(a: argparse.Namespace):
     from kvserve.planner.models import get_model
 
     local = a.hardware.lower() == "local"
-    if local and a.tp != 1:
+    if local and a.tp not in (None, 1):
         raise ConfigError(f"tp: --hardware local plans this one machine, which kvserve runs without tensor "
                           f"parallelism; --tp must be 1, got {a.tp}")
     model = a.model or ("smollm2-135m" if local else "llama-3-70b")
@@ -102,7 +104,7 @@ def _resolve(a: argparse.Namespace):
     shape = get_model(a.model)
     if a.prompt_tokens is None:  # a request the engine would accept (prompt + output <= context length)
         a.prompt_tokens = max(min(8192, shape.max_position_embeddings - a.output_tokens), 1)
-    w = Workload(a.prompt_tokens, a.output_tokens, a.batch, a.tp, a.weight_dtype, a.kv_dtype, a.chunk_tokens,
+    w = Workload(a.prompt_tokens, a.output_tokens, a.batch, a.tp or 1, a.weight_dtype, a.kv_dtype, a.chunk_tokens,
                  a.tokenize_ms, a.queue_ms, a.network_ms, weight_bytes_per_param=per_param,
                  weight_note=note).validate()
     if local:  # this machine's rates for the dtype the engine would compute in (packed weights: bf16)
@@ -121,7 +123,30 @@ def _resolve(a: argparse.Namespace):
             probe = replace(probe, dtype=compute)
         return shape, probe.hardware(), probe.efficiency(), w
     hw = get_hardware(a.hardware)
+    if a.tp is None:
+        w = _fewest_gpus(shape, hw, w)
     return shape, hw, efficiency_for(hw), w
+
+
+AUTO_TP = (1, 2, 4, 8)  # the tensor-parallel sizes `plan` tries when --tp is not given
+
+
+def _fewest_gpus(shape, hw, w):
+    """``w`` on the fewest GPUs of AUTO_TP whose usable memory holds its weights and KV cache
+    (:func:`kvserve.planner.cost.capacity`), with a note saying so; on the largest if none does."""
+    from dataclasses import replace
+
+    from kvserve.planner.cost import capacity
+
+    for tp in AUTO_TP:
+        if capacity(shape, hw, replace(w, tp=tp)).fits:
+            break
+    else:
+        return replace(w, tp=AUTO_TP[-1], tp_note=f"--tp not given: not even {AUTO_TP[-1]} GPUs hold the weights "
+                       f"and this workload's KV cache; planned on {AUTO_TP[-1]}")
+    note = f"--tp not given: {tp} GPUs, the fewest of {', '.join(map(str, AUTO_TP))} that hold the weights and " \
+           "this workload's KV cache" if tp > 1 else ""
+    return replace(w, tp=tp, tp_note=note)
 
 
 def _engine_weights(model: str) -> tuple[str, float, str]:

@@ -37,6 +37,7 @@ class Workload:
     network_ms: float = 0.0
     weight_bytes_per_param: float = 0.0  # > 0: overrides weight_dtype's size (a mixed packed format)
     weight_note: str = ""  # what that mix is, for the report ("GGUF as kept: 120 int4, 1 int8")
+    tp_note: str = ""  # how tp was chosen where the user did not give it, for the report
 
     @property
     def weight_bytes(self) -> float:

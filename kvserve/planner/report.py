@@ -78,6 +78,7 @@ def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
     lines = [
         f"kvserve plan — {shape.name} on {w.tp}× {hw.name}: weights {_weights(w)}, KV {w.kv_dtype}, "
         f"batch {w.batch}, {w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens",
+        *([f"  {w.tp_note}"] if w.tp_note else []),
         *([f"  NOTE: {w.prompt_tokens + w.output_tokens:,} tokens exceed the model's context length "
            f"(max_position_embeddings {shape.max_position_embeddings:,}): the engine would reject this "
            f"request; figures extrapolated"] if not within_context(shape, w) else []),
@@ -126,6 +127,7 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
             else f"{w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens")
     lines = [f"kvserve plan --sweep {axis} — {shape.name} on {w.tp}× {hw.name}: weights {_weights(w)}, "
              f"KV {w.kv_dtype}, {held}",
+             *([f"  {w.tp_note}"] if w.tp_note else []),
              "  decode step at each row's mean context, in ms per step (weights, KV, compute, comm, overhead); "
              "tok/s: output tokens per second of the whole batch",
              f"{'prompt' if axis == 'context' else 'batch':>8} {'TTFT ms':>10} {'ITL ms':>8} {'weights':>8} {'KV':>8} "
