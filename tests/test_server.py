@@ -264,3 +264,38 @@ def test_speculative_server_and_per_request_opt_out():
     finally:
         plain.stop()
         spec.stop()
+
+
+def test_metrics_observe_each_choice_of_an_n_request_once():
+    """A new-user finding: an ``n > 1`` request's output repeats a choice that has finished on every
+    later step until its last choice ends, and each repeat was observed again (n = 2 with one choice
+    stopping early: 49 TTFT samples for 2 choices). Each choice must be observed once: the oracle is
+    the choices' own latencies in the final output."""
+    from kvserve import SamplingParams
+    from kvserve.metrics.prometheus import ServerMetrics
+
+    llm = tiny_llm()
+    base = dict(n=2, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    a, b = (c.token_ids for c in llm.generate([[5, 6, 7]], SamplingParams(**base))[0].outputs)
+    stop = next(t for t in a[1:6] if t not in b)  # ends choice 0 early, not choice 1
+    engine, metrics = llm.engine, ServerMetrics("tiny")
+    engine.add_request("r", [5, 6, 7], SamplingParams(**base, stop_token_ids=[stop]))
+    final = None
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        metrics.on_step(engine, outs)
+        final = next((o for o in outs if o.finished), final)
+    choices = final.outputs
+    assert [c.finish_reason for c in choices] == ["stop", "length"]
+    assert len(choices[0].token_ids) < len(choices[1].token_ids)
+
+    def sample(name, **labels):
+        return metrics.registry.get_sample_value("kvserve:" + name, {"model_name": "tiny", **labels})
+
+    assert sample("time_to_first_token_seconds_count") == 2
+    assert sample("e2e_request_latency_seconds_count") == 2
+    assert sample("inter_token_latency_seconds_count") == sum(len(c.latency.itl_ms) for c in choices)
+    assert sample("request_success_total", finished_reason="stop") == 1
+    assert sample("request_success_total", finished_reason="length") == 1
+    assert abs(sample("time_to_first_token_seconds_sum") - sum(c.latency.ttft_ms for c in choices) / 1e3) < 1e-9
+    assert not metrics._observed  # nothing kept once the request is done

@@ -64,6 +64,9 @@ class ServerMetrics:
         self._last_step = 0
         self._last_preemptions = 0
         self._last_prefix = (0, 0)
+        # choices (request id, index) already observed as finished: an n > 1 request's output repeats a
+        # finished choice on every later step until its last choice ends
+        self._observed: set[tuple[str, int]] = set()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -97,8 +100,11 @@ class ServerMetrics:
                 if c.delta_token_ids and len(c.token_ids) == len(c.delta_token_ids):  # its first tokens
                     self.prompt_tokens.inc(len(out.prompt_token_ids))
                 self.generation_tokens.inc(len(c.delta_token_ids))
-                if c.finished:
+                if c.finished and (out.request_id, c.index) not in self._observed:
+                    self._observed.add((out.request_id, c.index))
                     self._observe_finished(c)
+            if out.finished:
+                self._observed.difference_update((out.request_id, c.index) for c in out.outputs)
 
     def _observe_spec(self, s) -> None:
         d, t, a, per = self._last_spec
