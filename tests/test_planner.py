@@ -257,14 +257,15 @@ def test_plan_cli_text_sweep_and_errors(capsys, tmp_path, monkeypatch):
                  "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m on 1× h200" in out and "batch 2" in out.splitlines()[0] and "fits = no" not in out
-    assert out.splitlines()[2].split()[0] == "prompt"
+    assert out.splitlines()[1].startswith("  --tp not given: 1 GPU holds")
+    assert out.splitlines()[3].split()[0] == "prompt"
     # --json: one object with each row's plan (the same figures as the table), no PNG unless --plot asks
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "--model", "smollm2-135m", "--hardware", "h200", "--sweep", "context", "--batch", "2",
                  "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert [r["context"] for r in got["rows"]] == [int(line.split()[0]) for line in out.splitlines()[3:]]
-    assert [round(r["itl_ms"], 2) for r in got["rows"]] == [float(line.split()[2]) for line in out.splitlines()[3:]]
+    assert [r["context"] for r in got["rows"]] == [int(line.split()[0]) for line in out.splitlines()[4:]]
+    assert [round(r["itl_ms"], 2) for r in got["rows"]] == [float(line.split()[2]) for line in out.splitlines()[4:]]
     assert all(r["workload"]["prompt_tokens"] == r["context"] for r in got["rows"])
     assert not list(tmp_path.glob("plan-*.png"))
     assert main(["plan", "--model", "no-such-model"]) == 2
@@ -717,7 +718,7 @@ def test_plan_without_tp_takes_the_fewest_gpus_that_hold_the_workload(capsys, tm
     for args, tp in cases:
         got = plan(*args)
         assert got["workload"]["tp"] == tp and got["fits"], args
-        assert bool(got["workload"]["tp_note"]) == (tp > 1)
+        assert got["workload"]["tp_note"].startswith(f"--tp not given: {tp} GPU{'s' if tp > 1 else ' holds'}")
         assert plan(*args, "--tp", str(tp))["fits"]
         if tp > 1:
             assert not plan(*args, "--tp", str(tp // 2))["fits"]
@@ -728,6 +729,11 @@ def test_plan_without_tp_takes_the_fewest_gpus_that_hold_the_workload(capsys, tm
     out = capsys.readouterr().out
     assert "llama-3-70b on 2× h100-sxm" in out.splitlines()[0] and "--tp not given: 2 GPUs" in out
     assert "→ fits" in out
+    assert main(["plan", "--sweep", "batch", "--plot", str(tmp_path / "b.png")]) == 0  # rows keep the choice
+    assert "--tp not given: 2 GPUs" in capsys.readouterr().out.splitlines()[1]
+    for path in ("no/such/config.json", "missing.gguf", "some/dir/"):  # meant as a path: said so
+        assert main(["plan", "--model", path]) == 2
+        assert f"model {path!r}: no such file" in capsys.readouterr().err
     from kvserve.planner import probe as pr
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))

@@ -144,9 +144,8 @@ def _fewest_gpus(shape, hw, w):
     else:
         return replace(w, tp=AUTO_TP[-1], tp_note=f"--tp not given: not even {AUTO_TP[-1]} GPUs hold the weights "
                        f"and this workload's KV cache; planned on {AUTO_TP[-1]}")
-    note = f"--tp not given: {tp} GPUs, the fewest of {', '.join(map(str, AUTO_TP))} that hold the weights and " \
-           "this workload's KV cache" if tp > 1 else ""
-    return replace(w, tp=tp, tp_note=note)
+    what = f"{tp} GPUs, the fewest of {', '.join(map(str, AUTO_TP))} that hold" if tp > 1 else "1 GPU holds"
+    return replace(w, tp=tp, tp_note=f"--tp not given: {what} the weights and this workload's KV cache")
 
 
 def _engine_weights(model: str) -> tuple[str, float, str]:

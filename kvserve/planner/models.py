@@ -73,6 +73,10 @@ def get_model(name_or_path: str) -> ModelShape:
     if os.path.isfile(path) and path.endswith(".json"):
         with open(path) as f:
             return shape_from_hf_config(json.load(f), os.path.basename(os.path.dirname(os.path.abspath(path))))
+    if name_or_path.lower().endswith((".json", ".gguf")) or os.sep in name_or_path:  # meant as a path
+        what = "a directory without config.json" if os.path.isdir(name_or_path) else "no such file"
+        raise ConfigError(f"model {name_or_path!r}: {what} (give a config.json, an HF directory with one, "
+                          f"a .gguf file, or a known name)")
     raise ConfigError(f"unknown model {name_or_path!r}: give a config.json, an HF directory, a .gguf file, "
                       f"or one of {known_models()}")
 

@@ -127,7 +127,8 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
             else f"{w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens")
     lines = [f"kvserve plan --sweep {axis} — {shape.name} on {w.tp}× {hw.name}: weights {_weights(w)}, "
              f"KV {w.kv_dtype}, {held}",
-             *([f"  {w.tp_note}"] if w.tp_note else []),
+             *([f"  {w.tp_note} (at the base workload: batch {w.batch}, {w.prompt_tokens:,} prompt tokens; "
+                "every row keeps it)"] if w.tp_note else []),
              "  decode step at each row's mean context, in ms per step (weights, KV, compute, comm, overhead); "
              "tok/s: output tokens per second of the whole batch",
              f"{'prompt' if axis == 'context' else 'batch':>8} {'TTFT ms':>10} {'ITL ms':>8} {'weights':>8} {'KV':>8} "
