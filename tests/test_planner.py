@@ -725,6 +725,13 @@ def test_plan_without_tp_takes_the_fewest_gpus_that_hold_the_workload(capsys, tm
             assert plan(*args, "--tp", str(tp // 2))["workload"]["tp_note"] == ""  # given: taken as is
     got = plan("--model", "deepseek-v3")
     assert got["workload"]["tp"] == 8 and not got["fits"] and "not even 8" in got["workload"]["tp_note"]
+    # only sizes that divide the attention heads (an adversarial finding: Qwen2-7B's 28 heads on 8 GPUs)
+    got = plan("--model", "qwen2-7b", "--batch", "570")
+    assert got["workload"]["tp"] == 4 and not got["fits"] and "divide the 28 attention heads" in got["workload"]["tp_note"]
+    assert plan("--model", "qwen2-7b", "--batch", "570", "--tp", "8")["fits"]  # taken as given
+    got = plan("--model", "smollm2-135m", "--batch", "4000")  # 9 heads: 1 GPU only
+    assert got["workload"]["tp"] == 1 and "not even 1 GPU (" in got["workload"]["tp_note"]
+    assert main(["plan", "--tp", "0"]) == 2 and "tp must be >= 1, got 0" in capsys.readouterr().err
     assert main(["plan"]) == 0
     out = capsys.readouterr().out
     assert "llama-3-70b on 2× h100-sxm" in out.splitlines()[0] and "--tp not given: 2 GPUs" in out

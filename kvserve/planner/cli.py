@@ -104,7 +104,7 @@ def _resolve(a: argparse.Namespace):
     shape = get_model(a.model)
     if a.prompt_tokens is None:  # a request the engine would accept (prompt + output <= context length)
         a.prompt_tokens = max(min(8192, shape.max_position_embeddings - a.output_tokens), 1)
-    w = Workload(a.prompt_tokens, a.output_tokens, a.batch, a.tp or 1, a.weight_dtype, a.kv_dtype, a.chunk_tokens,
+    w = Workload(a.prompt_tokens, a.output_tokens, a.batch, 1 if a.tp is None else a.tp, a.weight_dtype, a.kv_dtype, a.chunk_tokens,
                  a.tokenize_ms, a.queue_ms, a.network_ms, weight_bytes_per_param=per_param,
                  weight_note=note).validate()
     if local:  # this machine's rates for the dtype the engine would compute in (packed weights: bf16)
@@ -132,19 +132,24 @@ AUTO_TP = (1, 2, 4, 8)  # the tensor-parallel sizes `plan` tries when --tp is no
 
 
 def _fewest_gpus(shape, hw, w):
-    """``w`` on the fewest GPUs of AUTO_TP whose usable memory holds its weights and KV cache
-    (:func:`kvserve.planner.cost.capacity`), with a note saying so; on the largest if none does."""
+    """``w`` on the fewest GPUs of AUTO_TP that divide the attention heads (as vLLM requires of
+    tensor_parallel_size) and whose usable memory holds its weights and KV cache
+    (:func:`kvserve.planner.cost.capacity`), with a note saying so; on the largest such size if none does."""
     from dataclasses import replace
 
     from kvserve.planner.cost import capacity
 
-    for tp in AUTO_TP:
+    sizes = [tp for tp in AUTO_TP if shape.num_heads % tp == 0]
+    heads = "" if sizes == list(AUTO_TP) else f" (of {', '.join(map(str, AUTO_TP))}, those that divide the " \
+        f"{shape.num_heads} attention heads)"
+    for tp in sizes:
         if capacity(shape, hw, replace(w, tp=tp)).fits:
             break
     else:
-        return replace(w, tp=AUTO_TP[-1], tp_note=f"--tp not given: not even {AUTO_TP[-1]} GPUs hold the weights "
-                       f"and this workload's KV cache; planned on {AUTO_TP[-1]}")
-    what = f"{tp} GPUs, the fewest of {', '.join(map(str, AUTO_TP))} that hold" if tp > 1 else "1 GPU holds"
+        return replace(w, tp=sizes[-1], tp_note=f"--tp not given: not even {sizes[-1]} GPU{'s' if sizes[-1] > 1 else ''}"
+                       f"{heads} {'hold' if sizes[-1] > 1 else 'holds'} the weights and this workload's KV cache; "
+                       f"planned on {sizes[-1]}")
+    what = f"{tp} GPUs, the fewest of {', '.join(map(str, sizes))}{heads} that hold" if tp > 1 else "1 GPU holds"
     return replace(w, tp=tp, tp_note=f"--tp not given: {what} the weights and this workload's KV cache")
 
 
