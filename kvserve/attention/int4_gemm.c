@@ -655,8 +655,8 @@ static inline __attribute__((always_inline)) void int4_tile_q8(const uint16_t *r
 /* As the AVX-512 section's kvs_int4_linear_team, every row count on int8 x, two rows per pass over a tile.
  * One or two rows of x (a decode step; K <= INT4_OWN_K) are quantized by every thread into its own
  * stack buffer, the same codes each time, instead of once into xsum behind a barrier: the barrier cost
- * more than the work (Zen 2 VM, 2 threads: ~0.8 µs per barrier; quantizing 576 inputs ~0.1 µs), and a
- * SmolLM2 decode step has 121 of these matmuls. */
+ * more than the work (Zen 2 VM, 2 threads: ~0.8 µs per barrier; quantizing 576 inputs is ~400
+ * instructions, ~0.2 µs), and a SmolLM2 decode step has 121 of these matmuls. */
 void kvs_int4_linear_team(const uint16_t *x, int64_t M, int K, const uint16_t *w, int N, void *y, int out_code,
                           float *xsum) {
     const int G = K / 32, tiles = N / 16, own = M <= 2 && K <= INT4_OWN_K;
