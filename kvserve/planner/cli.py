@@ -34,8 +34,8 @@ def add_planner_parsers(sub) -> None:
     p.add_argument("--hardware", default="h100-sxm", help="a100-80gb-sxm, h100-sxm, h100-pcie, h200, b200, "
                    "mi300x, l40s, or local (after `kvserve probe`)")
     p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel GPUs (default: the fewest of 1, 2, 4, 8 whose usable memory holds the "
-                   "weights and the workload's KV cache; 1 on --hardware local)")
+                   help="tensor-parallel GPUs (default: the fewest of 1, 2, 4, 8 that divide the attention heads "
+                   "and whose usable memory holds the weights and the workload's KV cache; 1 on --hardware local)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="default 8192, or the longest prompt the model's context length leaves room for "
                    "with --output-tokens")
@@ -104,7 +104,8 @@ def _resolve(a: argparse.Namespace):
     shape = get_model(a.model)
     if a.prompt_tokens is None:  # a request the engine would accept (prompt + output <= context length)
         a.prompt_tokens = max(min(8192, shape.max_position_embeddings - a.output_tokens), 1)
-    w = Workload(a.prompt_tokens, a.output_tokens, a.batch, 1 if a.tp is None else a.tp, a.weight_dtype, a.kv_dtype, a.chunk_tokens,
+    tp = 1 if a.tp is None else a.tp  # not given: 1 here, the fewest GPUs that hold it below (not on local)
+    w = Workload(a.prompt_tokens, a.output_tokens, a.batch, tp, a.weight_dtype, a.kv_dtype, a.chunk_tokens,
                  a.tokenize_ms, a.queue_ms, a.network_ms, weight_bytes_per_param=per_param,
                  weight_note=note).validate()
     if local:  # this machine's rates for the dtype the engine would compute in (packed weights: bf16)
@@ -140,17 +141,18 @@ def _fewest_gpus(shape, hw, w):
     from kvserve.planner.cost import capacity
 
     sizes = [tp for tp in AUTO_TP if shape.num_heads % tp == 0]
-    heads = "" if sizes == list(AUTO_TP) else f" (of {', '.join(map(str, AUTO_TP))}, those that divide the " \
-        f"{shape.num_heads} attention heads)"
+    heads = "" if sizes == list(AUTO_TP) else \
+        f" (of {', '.join(map(str, AUTO_TP))}, those that divide the {shape.num_heads} attention heads)"
+    held = "the weights and this workload's KV cache"
     for tp in sizes:
         if capacity(shape, hw, replace(w, tp=tp)).fits:
             break
     else:
-        return replace(w, tp=sizes[-1], tp_note=f"--tp not given: not even {sizes[-1]} GPU{'s' if sizes[-1] > 1 else ''}"
-                       f"{heads} {'hold' if sizes[-1] > 1 else 'holds'} the weights and this workload's KV cache; "
-                       f"planned on {sizes[-1]}")
+        most = sizes[-1]
+        gpus = f"{most} GPUs{heads} hold" if most > 1 else f"1 GPU{heads} holds"
+        return replace(w, tp=most, tp_note=f"--tp not given: not even {gpus} {held}; planned on {most}")
     what = f"{tp} GPUs, the fewest of {', '.join(map(str, sizes))}{heads} that hold" if tp > 1 else "1 GPU holds"
-    return replace(w, tp=tp, tp_note=f"--tp not given: {what} the weights and this workload's KV cache")
+    return replace(w, tp=tp, tp_note=f"--tp not given: {what} {held}")
 
 
 def _engine_weights(model: str) -> tuple[str, float, str]:
