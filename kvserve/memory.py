@@ -27,6 +27,12 @@ def huge_pages_enabled() -> bool:
     return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("KVSERVE_HUGE_PAGES", "1").strip().lower() not in _OFF
 
 
+def physical_memory_bytes() -> int:
+    """This machine's physical memory in bytes (``SC_PAGE_SIZE`` × ``SC_PHYS_PAGES``): the host memory the
+    weights and KV caches must fit in."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def nbytes(shape, dtype: torch.dtype) -> int:
     """Bytes of a tensor of ``shape`` (an int or a sequence) and ``dtype``."""
     numel = torch.Size((shape,) if isinstance(shape, int) else tuple(shape)).numel()

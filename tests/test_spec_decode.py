@@ -171,3 +171,25 @@ def test_anatomy_header_names_the_speculation():
     ngram = tiny_llm(speculative_method="ngram")
     assert "speculative decoding: ngram, 3 proposals per step (prompt lookup of 1-4-grams)" in model_header(ngram)
     assert "speculative" not in model_header(tiny_llm())
+
+
+def test_draft_model_must_fit_beside_the_target(monkeypatch):
+    """The draft's weights and KV cache are counted with the target's against physical memory, before
+    the draft is built. Oracle, by hand for tiny-llama in float32 (hidden 64, 4×16 query and 2×16 KV
+    dims, MLP 128, 2 layers, vocabulary 49,152, untied): per layer 64·64 + 2·64·32 + 64·64 + 3·64·128
+    + 2·64 = 36,992 parameters, plus 2·49,152·64 for the embedding and head and 64 for the final norm:
+    6,365,504 parameters = 25,462,016 bytes. A KV block: 2 layers × K and V × 16 tokens × 32 dims × 4 B
+    = 8,192 bytes; the target's pool is 64 blocks, the draft's 256 MiB (its default)."""
+    from kvserve import memory
+    from kvserve.config import ConfigError
+
+    weights, block = 6_365_504 * 4, 2 * 2 * 16 * 32 * 4
+    total = weights + 64 * block + weights + (256 << 20)
+    kw = dict(speculative_method="draft", draft_model="tiny-llama", draft_load_format="dummy", num_kv_blocks=64)
+    monkeypatch.setattr(memory, "physical_memory_bytes", lambda: total)
+    assert tiny_llm(**kw).engine.speculator is not None  # exactly enough
+    monkeypatch.setattr(memory, "physical_memory_bytes", lambda: total - 1)
+    with pytest.raises(ConfigError, match=r"draft_model 'tiny-llama': its weights \(0\.01B parameters in float32: "
+                                          r"0\.02 GiB\) and KV cache \(0\.25 GiB\).* more than this machine's"):
+        tiny_llm(**kw)
+    assert tiny_llm(num_kv_blocks=64).engine.speculator is None  # the target alone still fits

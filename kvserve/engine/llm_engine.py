@@ -103,7 +103,11 @@ class LLMEngine:
                                          group_windows=[g.sliding_window for g in self.kv_spec.groups])
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_spec, num_blocks)
-        self.speculator = build_speculator(config.spec_decode, ckpt.config.vocab_size, self.dtype, config.seed)
+        # a draft model must fit beside the target's weights (as _check_weights_fit counts them) and KV cache
+        resident = (ckpt.config.num_params() * torch.empty((), dtype=self.dtype).element_size()
+                    + num_blocks * self.kv_spec.bytes_per_block)
+        self.speculator = build_speculator(config.spec_decode, ckpt.config.vocab_size, self.dtype, config.seed,
+                                           resident_bytes=resident)
         self.weight_bytes_per_step, self._embedding_row_bytes = weight_bytes_of(self.model)
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
         self._parents: dict[str, _Parent] = {}
@@ -139,7 +143,7 @@ class LLMEngine:
     def _check_weights_fit(self, cfg: ModelConfig) -> None:
         """ConfigError (instead of the OOM killer) when the weights alone exceed physical memory."""
         need = cfg.num_params() * torch.empty((), dtype=self.dtype).element_size()
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        have = memory.physical_memory_bytes()
         if need > have:
             raise ConfigError(f"model {cfg.name}: {cfg.num_params() / 1e9:.1f}B parameters in "
                               f"{str(self.dtype).removeprefix('torch.')} need {need / 2**30:.1f} GiB, more than this "
@@ -152,7 +156,7 @@ class LLMEngine:
         else:
             num_blocks = max(1, self.kv_spec.num_blocks_for(c.kv_cache_memory_bytes or c.DEFAULT_MEMORY_BYTES))
         need = num_blocks * self.kv_spec.bytes_per_block
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # the cache lives in host memory
+        have = memory.physical_memory_bytes()  # the cache lives in host memory
         if need > have:
             raise ConfigError(f"kv_cache_memory: {num_blocks} blocks x {self.kv_spec.bytes_per_block} B = "
                               f"{need / 2**30:.1f} GiB exceeds this machine's memory ({have / 2**30:.1f} GiB)")

@@ -56,8 +56,13 @@ class Speculator:
             self.proposer.free(request_id)
 
 
-def build_speculator(config: SpecDecodeConfig, target_vocab_size: int, dtype: torch.dtype, seed: int):
-    """None when speculation is off; ConfigError when the draft's vocabulary differs from the target's."""
+def build_speculator(config: SpecDecodeConfig, target_vocab_size: int, dtype: torch.dtype, seed: int,
+                     resident_bytes: int = 0):
+    """None when speculation is off. ConfigError when the draft's vocabulary differs from the target's, or
+    when its weights (parameters × ``dtype``'s size, before any packing) and its KV cache
+    (``draft_kv_cache_memory_bytes``, at least 16 blocks), with ``resident_bytes`` (the target's weights
+    and KV cache, bytes), exceed this machine's physical memory: checked before the draft's weights are
+    built, so the error comes instead of the OOM killer."""
     if config.method is None:
         return None
     if config.method == "ngram":
@@ -74,8 +79,19 @@ def build_speculator(config: SpecDecodeConfig, target_vocab_size: int, dtype: to
     if ckpt.config.vocab_size != target_vocab_size:
         raise ConfigError(f"draft_model vocabulary ({ckpt.config.vocab_size}) differs from the target's "
                           f"({target_vocab_size}); they must share a tokenizer")
-    model = build_model(ckpt.config, dtype, ckpt.weights, seed=seed)
-    memory.model_to_huge_pages(model)  # the draft's decode steps stream its weights too
     kv_spec = KVCacheSpec.from_model(ckpt.config, dtype, 16)
     num_blocks = max(16, config.draft_kv_cache_memory_bytes // kv_spec.bytes_per_block)
+    weights = ckpt.config.num_params() * torch.empty((), dtype=dtype).element_size()
+    kv = num_blocks * kv_spec.bytes_per_block
+    have = memory.physical_memory_bytes()
+    if resident_bytes + weights + kv > have:
+        gib = 2 ** 30
+        raise ConfigError(
+            f"draft_model {config.draft_model!r}: its weights ({ckpt.config.num_params() / 1e9:.2f}B parameters in "
+            f"{str(dtype).removeprefix('torch.')}: {weights / gib:.2f} GiB) and KV cache ({kv / gib:.2f} GiB) with "
+            f"the target's weights and KV cache ({resident_bytes / gib:.2f} GiB) need "
+            f"{(resident_bytes + weights + kv) / gib:.2f} GiB, more than this machine's {have / gib:.2f} GiB; try a "
+            "smaller draft_model, draft_kv_cache_memory_bytes or kv_cache_memory")
+    model = build_model(ckpt.config, dtype, ckpt.weights, seed=seed)
+    memory.model_to_huge_pages(model)  # the draft's decode steps stream its weights too
     return Speculator(config, DraftModelProposer(model, kv_spec, num_blocks, config.num_speculative_tokens))
