@@ -81,7 +81,7 @@ def build_speculator(config: SpecDecodeConfig, target_vocab_size: int, dtype: to
                           f"({target_vocab_size}); they must share a tokenizer")
     kv_spec = KVCacheSpec.from_model(ckpt.config, dtype, 16)
     num_blocks = max(16, config.draft_kv_cache_memory_bytes // kv_spec.bytes_per_block)
-    weights = ckpt.config.num_params() * torch.empty((), dtype=dtype).element_size()
+    weights = memory.nbytes(ckpt.config.num_params(), dtype)
     kv = num_blocks * kv_spec.bytes_per_block
     have = memory.physical_memory_bytes()
     if resident_bytes + weights + kv > have:
