@@ -33,6 +33,17 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def resident_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the distinct storages of ``module``'s parameters and buffers: what it holds in memory as
+    built (a packed int4/int8 matrix counts its packed bytes, a tied weight once)."""
+    storages = {}
+    for t in (*module.parameters(), *module.buffers()):
+        if t.device.type == "cpu" and t.layout == torch.strided:
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
 def nbytes(shape, dtype: torch.dtype) -> int:
     """Bytes of a tensor of ``shape`` (an int or a sequence) and ``dtype``."""
     numel = torch.Size((shape,) if isinstance(shape, int) else tuple(shape)).numel()

@@ -174,22 +174,38 @@ def test_anatomy_header_names_the_speculation():
 
 
 def test_draft_model_must_fit_beside_the_target(monkeypatch):
-    """The draft's weights and KV cache are counted with the target's against physical memory, before
-    the draft is built. Oracle, by hand for tiny-llama in float32 (hidden 64, 4×16 query and 2×16 KV
-    dims, MLP 128, 2 layers, vocabulary 49,152, untied): per layer 64·64 + 2·64·32 + 64·64 + 3·64·128
+    """The draft's weights and KV cache are counted with what the target holds against physical memory,
+    before the draft is built. Oracle, by hand for tiny-llama in float32 (hidden 64, 4×16 query and 2×16
+    KV dims, MLP 128, 2 layers, vocabulary 49,152, untied): per layer 64·64 + 2·64·32 + 64·64 + 3·64·128
     + 2·64 = 36,992 parameters, plus 2·49,152·64 for the embedding and head and 64 for the final norm:
-    6,365,504 parameters = 25,462,016 bytes. A KV block: 2 layers × K and V × 16 tokens × 32 dims × 4 B
+    6,365,504 parameters = 25,462,016 bytes; the built target also holds its RoPE cos and sin tables
+    (2,048 positions × 8 frequencies, float32). A KV block: 2 layers × K and V × 16 tokens × 32 dims × 4 B
     = 8,192 bytes; the target's pool is 64 blocks, the draft's 256 MiB (its default)."""
     from kvserve import memory
     from kvserve.config import ConfigError
 
-    weights, block = 6_365_504 * 4, 2 * 2 * 16 * 32 * 4
-    total = weights + 64 * block + weights + (256 << 20)
+    weights, rope, block = 6_365_504 * 4, 2 * 2048 * 8 * 4, 2 * 2 * 16 * 32 * 4
+    total = weights + rope + 64 * block + weights + (256 << 20)
     kw = dict(speculative_method="draft", draft_model="tiny-llama", draft_load_format="dummy", num_kv_blocks=64)
     monkeypatch.setattr(memory, "physical_memory_bytes", lambda: total)
     assert tiny_llm(**kw).engine.speculator is not None  # exactly enough
     monkeypatch.setattr(memory, "physical_memory_bytes", lambda: total - 1)
-    with pytest.raises(ConfigError, match=r"draft_model 'tiny-llama': its weights \(0\.01B parameters in float32: "
-                                          r"0\.02 GiB\) and KV cache \(0\.25 GiB\).* more than this machine's"):
+    with pytest.raises(ConfigError, match=r"draft_model 'tiny-llama': its weights \(6\.4M parameters in float32: "
+                                          r"24\.3 MiB\) and KV cache \(256\.0 MiB\) beside the target's .* "
+                                          r"more than this machine's .*; use a smaller draft_model"):
         tiny_llm(**kw)
     assert tiny_llm(num_kv_blocks=64).engine.speculator is None  # the target alone still fits
+
+
+def test_resident_bytes_counts_each_storage_once():
+    """memory.resident_bytes: parameters and buffers by their storages, a tied weight once (hand count:
+    a 10×4 float32 weight shared by two layers, their two 10-element biases, a 3-element int8 buffer)."""
+    import torch
+
+    from kvserve import memory
+
+    a, b = torch.nn.Linear(4, 10), torch.nn.Linear(4, 10)
+    b.weight = a.weight
+    m = torch.nn.Sequential(a, b)
+    m.register_buffer("codes", torch.zeros(3, dtype=torch.int8))
+    assert memory.resident_bytes(m) == 10 * 4 * 4 + 2 * 10 * 4 + 3

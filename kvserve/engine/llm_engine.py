@@ -87,7 +87,7 @@ class LLMEngine:
         self.tokenizer = ckpt.tokenizer
         self.model_name = source.name
         self.dtype = config.torch_dtype
-        weight_need = self._check_weights_fit(ckpt.config)
+        self._check_weights_fit(ckpt.config)
         self.model = build_model(ckpt.config, self.dtype, ckpt.weights, seed=config.seed)
         self.weight_kinds = self._quantize_weights(ckpt)
         memory.model_to_huge_pages(self.model)  # after packing: the tensors a decode step streams
@@ -103,9 +103,10 @@ class LLMEngine:
                                          group_windows=[g.sliding_window for g in self.kv_spec.groups])
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_spec, num_blocks)
-        # a draft model must fit beside the target's weights and KV cache
+        # a draft model must fit beside the target's weights as held (packed ones packed) and its KV cache
+        resident = memory.resident_bytes(self.model) + num_blocks * self.kv_spec.bytes_per_block
         self.speculator = build_speculator(config.spec_decode, ckpt.config.vocab_size, self.dtype, config.seed,
-                                           resident_bytes=weight_need + num_blocks * self.kv_spec.bytes_per_block)
+                                           resident_bytes=resident)
         self.weight_bytes_per_step, self._embedding_row_bytes = weight_bytes_of(self.model)
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
         self._parents: dict[str, _Parent] = {}
@@ -138,16 +139,15 @@ class LLMEngine:
             return False
         return self.config.cache.enable_prefix_caching
 
-    def _check_weights_fit(self, cfg: ModelConfig) -> int:
-        """The weights' bytes (parameters × the dtype's size, before any packing); ConfigError (instead of
-        the OOM killer) when they alone exceed physical memory."""
+    def _check_weights_fit(self, cfg: ModelConfig) -> None:
+        """ConfigError (instead of the OOM killer) when the weights alone (parameters × the dtype's size,
+        as built before any packing) exceed physical memory."""
         need = memory.nbytes(cfg.num_params(), self.dtype)
         have = memory.physical_memory_bytes()
         if need > have:
             raise ConfigError(f"model {cfg.name}: {cfg.num_params() / 1e9:.1f}B parameters in "
                               f"{str(self.dtype).removeprefix('torch.')} need {need / 2**30:.1f} GiB, more than this "
                               f"machine's {have / 2**30:.1f} GiB; try --dtype bfloat16 or a smaller model")
-        return need
 
     def _resolve_num_blocks(self) -> int:
         c = self.config.cache

@@ -56,13 +56,18 @@ class Speculator:
             self.proposer.free(request_id)
 
 
+def _size(num_bytes: int) -> str:
+    """Bytes as GiB (2 decimals) from 1 GiB up, else MiB (1 decimal)."""
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def build_speculator(config: SpecDecodeConfig, target_vocab_size: int, dtype: torch.dtype, seed: int,
                      resident_bytes: int = 0):
     """None when speculation is off. ConfigError when the draft's vocabulary differs from the target's, or
     when its weights (parameters × ``dtype``'s size, before any packing) and its KV cache
-    (``draft_kv_cache_memory_bytes``, at least 16 blocks), with ``resident_bytes`` (the target's weights
-    and KV cache, bytes), exceed this machine's physical memory: checked before the draft's weights are
-    built, so the error comes instead of the OOM killer."""
+    (``draft_kv_cache_memory_bytes``, at least 16 blocks), with ``resident_bytes`` (what the target holds:
+    its weights as built, packed ones packed, and its KV cache; bytes), exceed this machine's physical
+    memory: checked before the draft's weights are built, so the error comes instead of the OOM killer."""
     if config.method is None:
         return None
     if config.method == "ngram":
@@ -85,13 +90,17 @@ def build_speculator(config: SpecDecodeConfig, target_vocab_size: int, dtype: to
     kv = num_blocks * kv_spec.bytes_per_block
     have = memory.physical_memory_bytes()
     if resident_bytes + weights + kv > have:
-        gib = 2 ** 30
+        n = ckpt.config.num_params()
+        if resident_bytes + kv > have:  # the draft's KV pool alone is over what is left: no smaller draft helps
+            advice = "lower kv_cache_memory (--kv-cache-memory) or use --dtype bfloat16"
+        else:
+            advice = "use a smaller draft_model, lower kv_cache_memory (--kv-cache-memory) or use --dtype bfloat16"
+        count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
         raise ConfigError(
-            f"draft_model {config.draft_model!r}: its weights ({ckpt.config.num_params() / 1e9:.2f}B parameters in "
-            f"{str(dtype).removeprefix('torch.')}: {weights / gib:.2f} GiB) and KV cache ({kv / gib:.2f} GiB) with "
-            f"the target's weights and KV cache ({resident_bytes / gib:.2f} GiB) need "
-            f"{(resident_bytes + weights + kv) / gib:.2f} GiB, more than this machine's {have / gib:.2f} GiB; try a "
-            "smaller draft_model, draft_kv_cache_memory_bytes or kv_cache_memory")
+            f"draft_model {config.draft_model!r}: its weights ({count} parameters in "
+            f"{str(dtype).removeprefix('torch.')}: {_size(weights)}) and KV cache ({_size(kv)}) beside the "
+            f"target's weights and KV cache ({_size(resident_bytes)}) need {_size(resident_bytes + weights + kv)}, "
+            f"more than this machine's {_size(have)}; {advice}")
     model = build_model(ckpt.config, dtype, ckpt.weights, seed=seed)
     memory.model_to_huge_pages(model)  # the draft's decode steps stream its weights too
     return Speculator(config, DraftModelProposer(model, kv_spec, num_blocks, config.num_speculative_tokens))
