@@ -344,6 +344,25 @@ def test_hf_config_v4_rope_scaling_and_generation_eos(tmp_path):
         loader.read_hf_config(str(tmp_path))
 
 
+def test_directory_without_tokenizer_is_a_config_error(tmp_path):
+    """An HF directory with a config.json and no tokenizer file: a ConfigError naming the directory and
+    the files looked for (transformers raised a ValueError about sentencepiece), for the model and as a
+    draft; with load_format dummy the bundled tokenizer stands in."""
+    from kvserve import LLM
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 96,
+         "num_hidden_layers": 1, "num_attention_heads": 4}))
+    for p in (str(tmp_path), str(tmp_path / "config.json")):
+        with pytest.raises(ConfigError, match=f"no tokenizer in {tmp_path}: none of tokenizer.json, tokenizer.model"):
+            loader.load_tokenizer_from_path(p)
+    with pytest.raises(ConfigError, match="no tokenizer in"):
+        LLM(str(tmp_path), progress=False)
+    with pytest.raises(ConfigError, match="no tokenizer in"):
+        LLM("tiny-llama", load_format="dummy", progress=False, speculative_method="draft", draft_model=str(tmp_path))
+    assert LLM(str(tmp_path), load_format="dummy", progress=False).engine.tokenizer is not None
+
+
 # ------------------------------------------------------------------------------- resolve_model
 
 

@@ -219,19 +219,25 @@ def load_gguf_tokenizer(path: str):
 
 
 def load_tokenizer_from_path(path: str):
-    """HF tokenizer from a .gguf file or an HF directory (or a config.json inside one)."""
+    """HF tokenizer from a .gguf file or an HF directory (or a config.json inside one). ConfigError for
+    a directory without tokenizer files (transformers raised a ValueError about sentencepiece there)."""
     from transformers import AutoTokenizer
 
     if path.lower().endswith(".gguf"):
         return load_gguf_tokenizer(path)
     if os.path.basename(path) == "config.json":
         path = os.path.dirname(path)
+    if os.path.isdir(path) and not _has_tokenizer_files(path):
+        raise ConfigError(f"no tokenizer in {path}: none of {', '.join(_TOKENIZER_FILES)} is there (with "
+                          "load_format 'dummy' a directory without one takes the bundled SmolLM2 tokenizer)")
     return AutoTokenizer.from_pretrained(path)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
 def _has_tokenizer_files(directory: str) -> bool:
-    return any(os.path.isfile(os.path.join(directory, f))
-               for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    return any(os.path.isfile(os.path.join(directory, f)) for f in _TOKENIZER_FILES)
 
 
 def load_tokenizer(source: ModelSource):
