@@ -732,6 +732,10 @@ def test_plan_without_tp_takes_the_fewest_gpus_that_hold_the_workload(capsys, tm
     got = plan("--model", "smollm2-135m", "--batch", "4000")  # 9 heads: 1 GPU only
     assert got["workload"]["tp"] == 1 and "not even 1 GPU (" in got["workload"]["tp_note"]
     assert main(["plan", "--tp", "0"]) == 2 and "tp must be >= 1, got 0" in capsys.readouterr().err
+    # a draft model enters only the speculative estimate: without --spec-acceptance it was silently ignored
+    assert main(["plan", "--draft-model", "llama-3-8b"]) == 2 and "needs --spec-acceptance" in capsys.readouterr().err
+    assert main(["plan", "--draft-model", "llama-3-8b", "--spec-acceptance", "0.7"]) == 0
+    assert "draft llama-3-8b:" in capsys.readouterr().out
     assert main(["plan"]) == 0
     out = capsys.readouterr().out
     assert "llama-3-70b on 2× h100-sxm" in out.splitlines()[0] and "--tp not given: 2 GPUs" in out

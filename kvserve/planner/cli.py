@@ -91,6 +91,9 @@ def _resolve(a: argparse.Namespace):
     from kvserve.planner.models import get_model
 
     local = a.hardware.lower() == "local"
+    if a.draft_model and a.spec_acceptance is None:
+        raise ConfigError("draft_model: --draft-model enters only the speculative estimate, which needs "
+                          "--spec-acceptance (the acceptance rate α, 0-1); give both or neither")
     if local and a.tp not in (None, 1):
         raise ConfigError(f"tp: --hardware local plans this one machine, which kvserve runs without tensor "
                           f"parallelism; --tp must be 1, got {a.tp}")
