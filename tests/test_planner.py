@@ -308,6 +308,13 @@ def test_probe_saves_and_local_loads(tmp_path, monkeypatch):
     assert step.overhead_s == pytest.approx(1e-3 + 30 * 2e-4)
     assert step.kv_time_s == pytest.approx(1000 * 46080 / 10e9)
     assert math.isfinite(pr.measure_matmul(torch.float32, n=128, repeats=1))
+    # `probe --no-engine`: the skipped overhead is said to be unmeasured, not printed as 0.00 ms, and the
+    # plan's calibration note says it is counted as 0
+    res.engine_overhead_measured, res.step_overhead_s, res.overhead_per_layer_s = False, 0.0, 0.0
+    assert "engine overhead: not measured (--no-engine)" in pr.format_probe(res)
+    assert "0.00 ms per step" not in pr.format_probe(res)
+    pr.save_probe(res)
+    assert "engine overhead not measured, counted as 0" in efficiency_for(get_hardware("local")).calibrated_on
 
 
 def test_plan_on_local_says_device_not_gpu(tmp_path, monkeypatch, capsys):

@@ -30,7 +30,8 @@ class ProbeResult:
     """Measured rates (best of several repeats). Per compute dtype name ("float32", "bfloat16"):
     gemv_bytes_per_s (weights streamed by y = W x), matmul_flops (square GEMM), kv_read_bytes_per_s
     (K+V bytes the engine's decode attention reads per second, marginal over context). Engine overhead:
-    step_overhead_s (constant per step) and overhead_per_layer_s, from its step loop on a narrow model."""
+    step_overhead_s (constant per step) and overhead_per_layer_s, from its step loop on a narrow model;
+    both 0 with engine_overhead_measured False (skipped), and plans on the probe then count none."""
 
     num_threads: int
     memory_bytes: float
@@ -40,6 +41,7 @@ class ProbeResult:
     step_overhead_s: float = 0.0
     overhead_per_layer_s: float = 0.0
     dtype: str = "float32"
+    engine_overhead_measured: bool = True  # False after `probe --no-engine`: the two overheads are 0, not measured
 
     def hardware(self) -> Hardware:
         """This machine as a Hardware row: peaks *are* the measured rates (efficiency 1 for weights)."""
@@ -52,7 +54,9 @@ class ProbeResult:
         d = self.dtype
         return Efficiency(bandwidth_efficiency=1.0, kv_bandwidth_efficiency=self.kv_read_bytes_per_s[d] / self.gemv_bytes_per_s[d],
                           flops_efficiency=1.0, step_overhead_s=self.step_overhead_s,
-                          overhead_per_layer_s=self.overhead_per_layer_s, calibrated_on=f"kvserve probe ({d})")
+                          overhead_per_layer_s=self.overhead_per_layer_s,
+                          calibrated_on=f"kvserve probe ({d})" if self.engine_overhead_measured
+                          else f"kvserve probe ({d}; engine overhead not measured, counted as 0)")
 
 
 class ProbeError(RuntimeError):
@@ -259,6 +263,7 @@ def run_probe(dtypes: tuple[str, ...] = ("float32", "bfloat16"), dtype: str = "f
         res.kv_read_bytes_per_s[name] = measure_kv_read(td)
     if engine_overhead:
         res.step_overhead_s, res.overhead_per_layer_s = measure_engine_overhead(dtype)
+    res.engine_overhead_measured = engine_overhead
     return res
 
 
@@ -294,7 +299,10 @@ def format_probe(res: ProbeResult) -> str:
         lines.append(f"  {d:>9}: weights (GEMV) {res.gemv_bytes_per_s[d] / 1e9:6.1f} GB/s   "
                      f"KV (decode attention) {res.kv_read_bytes_per_s[d] / 1e9:6.1f} GB/s   "
                      f"matmul {res.matmul_flops[d] / 1e9:7.1f} GFLOP/s")
-    lines.append(f"  engine overhead: {res.step_overhead_s * 1e3:.2f} ms per step + "
-                 f"{res.overhead_per_layer_s * 1e3:.3f} ms per layer (measured on width-64 models)")
+    if res.engine_overhead_measured:
+        lines.append(f"  engine overhead: {res.step_overhead_s * 1e3:.2f} ms per step + "
+                     f"{res.overhead_per_layer_s * 1e3:.3f} ms per layer (measured on width-64 models)")
+    else:
+        lines.append("  engine overhead: not measured (--no-engine); plans on this probe count none")
     return "\n".join(lines)
 
