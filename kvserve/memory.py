@@ -33,6 +33,11 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def format_size(num_bytes: int) -> str:
+    """Bytes for a message: GiB (2 decimals) from 1 GiB up, else MiB (1 decimal)."""
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def resident_bytes(module: torch.nn.Module) -> int:
     """Bytes of the distinct storages of ``module``'s parameters and buffers: what it holds in memory as
     built (a packed int4/int8 matrix counts its packed bytes, a tied weight once)."""

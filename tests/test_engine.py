@@ -274,3 +274,19 @@ def test_one_token_steps_reuse_input_tensors_holding_the_general_paths_values():
     runner.reuse_decode_inputs = False
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == reused
     assert llm.generate([[42]], params[0])[0].outputs[0].token_ids == alone
+
+
+def test_kv_cache_must_fit_beside_the_weights(monkeypatch):
+    """The KV pool is checked together with the weights as held, not alone. Oracle, by hand for
+    tiny-llama in float32: 6,365,504 parameters × 4 B, its RoPE cos and sin tables (2,048 × 8 float32
+    each) and 64 KV blocks of 2 layers × K and V × 16 tokens × 32 dims × 4 B."""
+    from kvserve import memory
+    from kvserve.config import ConfigError
+
+    total = 6_365_504 * 4 + 2 * 2048 * 8 * 4 + 64 * (2 * 2 * 16 * 32 * 4)
+    monkeypatch.setattr(memory, "physical_memory_bytes", lambda: total)
+    assert tiny_llm(num_kv_blocks=64).engine.num_kv_blocks == 64  # exactly enough
+    monkeypatch.setattr(memory, "physical_memory_bytes", lambda: total - 1)
+    with pytest.raises(ConfigError, match=r"kv_cache_memory: 64 blocks x 8192 B = 0\.5 MiB beside the weights' "
+                                          r"24\.4 MiB exceeds this machine's memory"):
+        tiny_llm(num_kv_blocks=64)

@@ -97,6 +97,7 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         kv_dtype = parse_kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.kv_spec = KVCacheSpec.from_model(ckpt.config, kv_dtype, config.cache.block_size)
+        self._weights_resident = memory.resident_bytes(self.model)  # as held: packed matrices packed
         num_blocks = self._resolve_num_blocks()
         self.kv_spec.check_fits(num_blocks, self.max_model_len, config.scheduler.max_num_batched_tokens)
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, self._prefix_caching(),
@@ -104,7 +105,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_spec, num_blocks)
         # a draft model must fit beside the target's weights as held (packed ones packed) and its KV cache
-        resident = memory.resident_bytes(self.model) + num_blocks * self.kv_spec.bytes_per_block
+        resident = self._weights_resident + num_blocks * self.kv_spec.bytes_per_block
         self.speculator = build_speculator(config.spec_decode, ckpt.config.vocab_size, self.dtype, config.seed,
                                            resident_bytes=resident)
         self.weight_bytes_per_step, self._embedding_row_bytes = weight_bytes_of(self.model)
@@ -156,10 +157,12 @@ class LLMEngine:
         else:
             num_blocks = max(1, self.kv_spec.num_blocks_for(c.kv_cache_memory_bytes or c.DEFAULT_MEMORY_BYTES))
         need = num_blocks * self.kv_spec.bytes_per_block
-        have = memory.physical_memory_bytes()  # the cache lives in host memory
-        if need > have:
+        have = memory.physical_memory_bytes()  # the cache lives in host memory, beside the weights
+        if need + self._weights_resident > have:
             raise ConfigError(f"kv_cache_memory: {num_blocks} blocks x {self.kv_spec.bytes_per_block} B = "
-                              f"{need / 2**30:.1f} GiB exceeds this machine's memory ({have / 2**30:.1f} GiB)")
+                              f"{memory.format_size(need)} beside the weights' "
+                              f"{memory.format_size(self._weights_resident)} exceeds this machine's memory "
+                              f"({memory.format_size(have)}); lower --kv-cache-memory")
         return num_blocks
 
     @property

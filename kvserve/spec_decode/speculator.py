@@ -56,11 +56,6 @@ class Speculator:
             self.proposer.free(request_id)
 
 
-def _size(num_bytes: int) -> str:
-    """Bytes as GiB (2 decimals) from 1 GiB up, else MiB (1 decimal)."""
-    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
-
-
 def build_speculator(config: SpecDecodeConfig, target_vocab_size: int, dtype: torch.dtype, seed: int,
                      resident_bytes: int = 0):
     """None when speculation is off. ConfigError when the draft's vocabulary differs from the target's, or
@@ -95,12 +90,12 @@ def build_speculator(config: SpecDecodeConfig, target_vocab_size: int, dtype: to
             advice = "lower kv_cache_memory (--kv-cache-memory) or use --dtype bfloat16"
         else:
             advice = "use a smaller draft_model, lower kv_cache_memory (--kv-cache-memory) or use --dtype bfloat16"
-        count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+        count, size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M", memory.format_size
         raise ConfigError(
             f"draft_model {config.draft_model!r}: its weights ({count} parameters in "
-            f"{str(dtype).removeprefix('torch.')}: {_size(weights)}) and KV cache ({_size(kv)}) beside the "
-            f"target's weights and KV cache ({_size(resident_bytes)}) need {_size(resident_bytes + weights + kv)}, "
-            f"more than this machine's {_size(have)}; {advice}")
+            f"{str(dtype).removeprefix('torch.')}: {size(weights)}) and KV cache ({size(kv)}) beside the "
+            f"target's weights and KV cache ({size(resident_bytes)}) need {size(resident_bytes + weights + kv)}, "
+            f"more than this machine's {size(have)}; {advice}")
     model = build_model(ckpt.config, dtype, ckpt.weights, seed=seed)
     memory.model_to_huge_pages(model)  # the draft's decode steps stream its weights too
     return Speculator(config, DraftModelProposer(model, kv_spec, num_blocks, config.num_speculative_tokens))
