@@ -269,8 +269,8 @@ def run_probe(dtypes: tuple[str, ...] = ("float32", "bfloat16"), dtype: str = "f
 
 def _total_memory_bytes() -> float:
     try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError):
+        return float(memory.physical_memory_bytes())
+    except (ValueError, OSError):  # sysconf names this OS lacks
         return 0.0
 
 
