@@ -758,3 +758,37 @@ def test_plan_without_tp_takes_the_fewest_gpus_that_hold_the_workload(capsys, tm
     pr.save_probe(pr.ProbeResult(2, 8e9, {"float32": 20e9}, {"float32": 100e9}, {"float32": 10e9}, 1e-3, 2e-4))
     got = plan("--hardware", "local", "--model", "llama-3-70b")  # 282 GB of fp32 weights: on 1 all the same
     assert got["workload"]["tp"] == 1 and got["workload"]["tp_note"] == "" and not got["fits"]
+
+
+def test_plan_counts_the_draft_models_memory(capsys):
+    """A --draft-model's weights and KV cache share a GPU with the target's shard (it runs unsharded, as
+    its step is timed); before, they were not counted and a 405B draft beside 70B "fit" on 2 H100s."""
+    from kvserve.cli import main
+    from kvserve.planner.models import get_model
+
+    target, draft, h100 = get_model("llama-3-70b"), get_model("llama-3-8b"), HARDWARE["h100-sxm"]
+    w = Workload(prompt_tokens=8000, output_tokens=192, batch=1, tp=2, weight_dtype="bf16", kv_dtype="bf16")
+    # Llama-3-8B by hand (its config: 32 layers, hidden 4096, 8 KV heads of 128, MLP 14336, vocab 128256,
+    # untied head): weights in bf16 + each sequence's K and V in bf16 for 8192 tokens
+    params = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 2 * 128256 * 4096
+    kv_per_seq = 8192 * 32 * 2 * 8 * 128 * 2
+    alone, beside = capacity(target, h100, w), capacity(target, h100, w, draft)
+    assert alone.draft_bytes == 0 and alone.fits
+    assert beside.draft_bytes == pytest.approx(2 * params + kv_per_seq, rel=1e-12)
+    assert beside.weight_bytes == alone.weight_bytes and beside.kv_bytes == alone.kv_bytes
+    # 70.6 GB of the target's weights per GPU + 16 GB of draft weights exceed 72 GB usable
+    assert not beside.fits and beside.max_batch == 0
+    # --tp not given: the draft's memory moves the choice from 2 GPUs to 4
+    assert main(["plan", "--prompt-tokens", "8000", "--output-tokens", "192"]) == 0
+    assert "--tp not given: 2 GPUs" in capsys.readouterr().out
+    assert main(["plan", "--prompt-tokens", "8000", "--output-tokens", "192", "--draft-model",
+                 "llama-3-8b", "--spec-acceptance", "0.7"]) == 0
+    out = capsys.readouterr().out
+    assert "--tp not given: 4 GPUs" in out and "draft model's weights and KV 17.13 GB (on one GPU of 4)" in out
+    assert "→ fits" in out
+    # a 405B draft holds no GPU's worth of memory: no number of GPUs fits it (it "fit" before)
+    assert main(["plan", "--tp", "2", "--draft-model", "llama-3.1-405b", "--spec-acceptance", "0.7", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["fits"] is False and d["capacity"]["draft_bytes"] > 800e9
+    # the speculative E2E is the plan's with the speculative ITL: TTFT + (N - 1) × ITL
+    assert d["speculative"]["e2e_ms"] == pytest.approx(d["ttft_ms"] + 249 * d["speculative"]["itl_ms"])

@@ -128,17 +128,25 @@ def _resolve(a: argparse.Namespace):
         return shape, probe.hardware(), probe.efficiency(), w
     hw = get_hardware(a.hardware)
     if a.tp is None:
-        w = _fewest_gpus(shape, hw, w)
+        w = _fewest_gpus(shape, hw, w, _draft_shape(a))
     return shape, hw, efficiency_for(hw), w
+
+
+def _draft_shape(a: argparse.Namespace):
+    """The --draft-model's shape, or None."""
+    from kvserve.planner.models import get_model
+
+    return get_model(a.draft_model) if a.draft_model else None
 
 
 AUTO_TP = (1, 2, 4, 8)  # the tensor-parallel sizes `plan` tries when --tp is not given
 
 
-def _fewest_gpus(shape, hw, w):
+def _fewest_gpus(shape, hw, w, draft=None):
     """``w`` on the fewest GPUs of AUTO_TP that divide the attention heads (as vLLM requires of
-    tensor_parallel_size) and whose usable memory holds its weights and KV cache
-    (:func:`kvserve.planner.cost.capacity`), with a note saying so; on the largest such size if none does."""
+    tensor_parallel_size) and whose usable memory holds its weights and KV cache, and a ``draft`` model's
+    beside them (:func:`kvserve.planner.cost.capacity`), with a note saying so; on the largest such size
+    if none does."""
     from dataclasses import replace
 
     from kvserve.planner.cost import capacity
@@ -146,9 +154,9 @@ def _fewest_gpus(shape, hw, w):
     sizes = [tp for tp in AUTO_TP if shape.num_heads % tp == 0]
     heads = "" if sizes == list(AUTO_TP) else \
         f" (of {', '.join(map(str, AUTO_TP))}, those that divide the {shape.num_heads} attention heads)"
-    held = "the weights and this workload's KV cache"
+    held = "the weights and this workload's KV cache" + (" (and the draft model's)" if draft is not None else "")
     for tp in sizes:
-        if capacity(shape, hw, replace(w, tp=tp)).fits:
+        if capacity(shape, hw, replace(w, tp=tp), draft).fits:
             break
     else:
         most = sizes[-1]
@@ -195,8 +203,10 @@ def _spec(a, shape, hw, eff, w, p) -> dict | None:
     draft = 0.0
     if a.draft_model:
         draft = decode_step(get_model(a.draft_model), hw, eff, replace(w, tp=1), ctx).time_s * 1e3
-    return asdict(speculative_itl(p.itl_ms, verify, draft, a.spec_acceptance, g)) | {"draft_step_ms": draft,
-                                                                                      "verify_step_ms": verify}
+    est = speculative_itl(p.itl_ms, verify, draft, a.spec_acceptance, g)
+    # E2E as the plan's, with the speculative mean ITL in place of the plain one
+    e2e = p.ttft_ms + max(w.output_tokens - 1, 0) * est.itl_ms + w.network_ms
+    return asdict(est) | {"draft_step_ms": draft, "verify_step_ms": verify, "e2e_ms": e2e}
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
@@ -206,8 +216,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from kvserve.planner.report import format_plan, format_sweep, plan_dict, plot_sweep, sweep
 
     shape, hw, eff, w = _resolve(a)
+    draft = _draft_shape(a)
     if a.sweep:
-        rows = sweep(shape, hw, eff, w, a.sweep)
+        rows = sweep(shape, hw, eff, w, a.sweep, draft)
         if a.json:  # one JSON object: the axis and each row's plan; a PNG only where --plot asks for one
             print(json.dumps({"axis": a.sweep, "rows": [{a.sweep: x} | plan_dict(p, shape, hw, replace(
                 w, **({"prompt_tokens": x} if a.sweep == "context" else {"batch": x}))) for x, p in rows]}))
@@ -221,7 +232,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
                    else f"{what}, {w.prompt_tokens} prompt tokens", path)
         print(f"wrote {path}", file=sys.stderr)
         return 0
-    p = plan(shape, hw, eff, w)
+    p = plan(shape, hw, eff, w, draft)
     spec = _spec(a, shape, hw, eff, w, p)
     if a.json:
         print(json.dumps(plan_dict(p, shape, hw, w) | ({"speculative": spec} if spec else {})))
@@ -231,7 +242,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         draft = (f"draft {a.draft_model}: {spec['draft_step_ms']:.2f} ms per step" if a.draft_model
                  else "no --draft-model: drafting taken as free, as n-gram lookup nearly is")
         print(f"  speculative (α={a.spec_acceptance}, γ={a.spec_tokens}): {spec['tokens_per_step']:.2f} tokens/step, "
-              f"ITL {spec['itl_ms']:.2f} ms, speed-up {spec['speedup']:.2f}× ({draft})")
+              f"ITL {spec['itl_ms']:.2f} ms, E2E {spec['e2e_ms']:.1f} ms, speed-up {spec['speedup']:.2f}× ({draft})")
     return 0
 
 

@@ -158,7 +158,8 @@ def prefill_steps(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload)
 
 @dataclass(slots=True)
 class Capacity:
-    """Memory per GPU: ``fits`` when weights + KV of ``batch`` sequences at ``context_tokens`` fit in
+    """Memory per GPU, in bytes: ``fits`` when weights + KV of ``batch`` sequences at ``context_tokens``
+    (+ a draft model's weights and KV, ``draft_bytes``, on the GPU it runs on) fit in
     GPU_MEMORY_UTILIZATION of memory; ``max_batch`` at that context; ``kv_exceeds_weights_tokens``:
     batch × context at which the KV bytes read per step pass the weight bytes."""
 
@@ -168,17 +169,26 @@ class Capacity:
     fits: bool
     max_batch: int
     kv_exceeds_weights_tokens: float
+    draft_bytes: float = 0.0
 
 
-def capacity(shape: ModelShape, hw: Hardware, w: Workload) -> Capacity:
+def capacity(shape: ModelShape, hw: Hardware, w: Workload, draft: ModelShape | None = None) -> Capacity:
+    """``draft``: a speculative-decoding draft model, run unsharded on one of the ``tp`` GPUs (as
+    :func:`kvserve.planner.cli` times it, vLLM's ``draft_tensor_parallel_size=1``) beside that GPU's
+    shard of the target: its weights in ``weight_dtype`` and its own KV cache of every sequence in
+    ``kv_dtype``, both counted on that GPU, the fullest one."""
     context = w.prompt_tokens + w.output_tokens
     weights = shape.num_params() * w.weight_bytes / w.tp
     per_seq = shape.kv_bytes_stored(context, w.kv_dtype) * kv_shard_fraction(shape, w.tp)
+    draft_weights = draft.num_params() * dtype_bytes(w.weight_dtype) if draft is not None else 0.0
+    draft_per_seq = draft.kv_bytes_stored(context, w.kv_dtype) if draft is not None else 0.0
     budget = hw.memory_bytes * GPU_MEMORY_UTILIZATION
-    max_batch = max(0, int((budget - weights) // per_seq)) if per_seq else 0
+    held, per_seq_held = weights + draft_weights, per_seq + draft_per_seq
+    max_batch = max(0, int((budget - held) // per_seq_held)) if per_seq_held else 0
     read_weights = shape.params_read_per_step(w.batch) * w.weight_bytes
-    return Capacity(budget, weights, w.batch * per_seq, weights + w.batch * per_seq <= budget, max_batch,
-                    read_weights / shape.kv_bytes_per_token(w.kv_dtype))
+    draft_bytes = draft_weights + w.batch * draft_per_seq
+    return Capacity(budget, weights, w.batch * per_seq, weights + w.batch * per_seq + draft_bytes <= budget, max_batch,
+                    read_weights / shape.kv_bytes_per_token(w.kv_dtype), draft_bytes)
 
 
 @dataclass(slots=True)
@@ -197,9 +207,10 @@ class Plan:
     extras: dict = field(default_factory=dict)
 
 
-def plan(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload) -> Plan:
+def plan(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, draft: ModelShape | None = None) -> Plan:
     """TTFT = tokenize + queue + Σ prefill steps; ITL = the decode step at the mean context
-    (KV bytes grow linearly, so this is the mean ITL); E2E = TTFT + (N − 1) × ITL + network."""
+    (KV bytes grow linearly, so this is the mean ITL); E2E = TTFT + (N − 1) × ITL + network.
+    ``draft``: a draft model whose memory :func:`capacity` counts (its time: ``spec_decode``)."""
     w.validate()
     pre = prefill_steps(shape, hw, eff, w)
     ttft = w.tokenize_ms + w.queue_ms + sum(s.time_s for s in pre) * 1e3
@@ -209,4 +220,4 @@ def plan(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload) -> Plan:
     mean = decode_step(shape, hw, eff, w, w.prompt_tokens + max(n, 2) / 2)
     itl = mean.time_s * 1e3
     e2e = ttft + max(n - 1, 0) * itl + w.network_ms
-    return Plan(ttft, itl, e2e, pre, first, mean, last, capacity(shape, hw, w), eff)
+    return Plan(ttft, itl, e2e, pre, first, mean, last, capacity(shape, hw, w, draft), eff)

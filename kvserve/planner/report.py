@@ -75,6 +75,9 @@ def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
     e = p.efficiency
     pre_flops = sum(s.flops for s in p.prefill)
     dev = "device" if hw.hardware_class == "local" else "GPU"  # local: this machine (a CPU here)
+    draft = ""
+    if c.draft_bytes:  # the draft runs unsharded on one of the tp devices: that one is the fullest
+        draft = f" + draft model's weights and KV {_gb(c.draft_bytes)}" + (f" (on one {dev} of {w.tp})" if w.tp > 1 else "")
     lines = [
         f"kvserve plan — {shape.name} on {w.tp}× {hw.name}: weights {_weights(w)}, KV {w.kv_dtype}, "
         f"batch {w.batch}, {w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens",
@@ -90,7 +93,7 @@ def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
         + (f" + {w.network_ms:g} ms network" if w.network_ms else ""),
         f"  decode step at mean context {p.decode_mean.context_tokens / w.batch:,.0f} tokens, per {dev}:",
         *_term_rows(p.decode_mean),
-        f"  memory per {dev}: weights {_gb(c.weight_bytes)} + KV {_gb(c.kv_bytes)} of {_gb(c.memory_bytes)} usable → "
+        f"  memory per {dev}: weights {_gb(c.weight_bytes)} + KV {_gb(c.kv_bytes)}{draft} of {_gb(c.memory_bytes)} usable → "
         f"{'fits' if c.fits else 'DOES NOT FIT'}; largest batch at this context: {c.max_batch}",
         f"  KV bytes per token {shape.kv_bytes_per_token(w.kv_dtype):,.0f} B; KV read passes weight read at "
         f"batch × context = {c.kv_exceeds_weights_tokens:,.0f} tokens",
@@ -105,7 +108,8 @@ SWEEP_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 SWEEP_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def sweep(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, axis: str) -> list[tuple[int, Plan]]:
+def sweep(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, axis: str,
+          draft: ModelShape | None = None) -> list[tuple[int, Plan]]:
     """Plans over prompt length (axis "context": the SWEEP_CONTEXTS up to the longest prompt the model's
     context length, ``max_position_embeddings``, leaves room for the output tokens, and that length
     itself if no step lands on it) or batch (axis "batch")."""
@@ -114,8 +118,8 @@ def sweep(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, axis: s
         xs = [x for x in SWEEP_CONTEXTS if x <= limit]
         if not xs or (xs[-1] != limit and limit < SWEEP_CONTEXTS[-1]):
             xs.append(limit)
-        return [(x, plan(shape, hw, eff, replace(w, prompt_tokens=x))) for x in xs]
-    return [(x, plan(shape, hw, eff, replace(w, batch=x))) for x in SWEEP_BATCHES]
+        return [(x, plan(shape, hw, eff, replace(w, prompt_tokens=x), draft)) for x in xs]
+    return [(x, plan(shape, hw, eff, replace(w, batch=x), draft)) for x in SWEEP_BATCHES]
 
 
 def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw: Hardware, w: Workload) -> str:
@@ -145,7 +149,9 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
                      f"model's context length ({shape.max_position_embeddings:,}): the engine would reject them; "
                      f"figures extrapolated")
     if not all(p.capacity.fits for _, p in rows):
-        lines.append("  fits = no: weights + KV per device exceed its usable memory (more --tp, or smaller dtypes)")
+        draft = " (+ the draft's weights and KV on the device it runs on)" if rows[0][1].capacity.draft_bytes else ""
+        lines.append(f"  fits = no: weights + KV per device{draft} exceed its usable memory (more --tp, or smaller "
+                     "dtypes)")
     return "\n".join(lines)
 
 
