@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from kvserve.config import ConfigError
@@ -240,15 +241,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _flag_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """dest → its longest option string (``kv_cache_memory`` → ``--kv-cache-memory``) over the parser and
+    the sub-commands this command line chose."""
+    flags: dict[str, str] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None))
+            if chosen is not None:
+                flags |= _flag_names(chosen, args)
+        elif action.option_strings and action.dest != "help":
+            flags[action.dest] = max(action.option_strings, key=len)
+    return flags
+
+
+def as_flags(message: str, flags: dict[str, str]) -> str:
+    """``message`` with each setting name that is also a flag of this command written as that flag:
+    errors are raised with the Python API's names (``block_size must be ...``), a CLI user types
+    ``--block-size``. Names of one word (``model``, ``batch``) are words of the text too, so they are
+    taken only where the message starts with one."""
+    compound = sorted((d for d in flags if "_" in d), key=len, reverse=True)
+    if compound:
+        names = "|".join(map(re.escape, compound))
+        message = re.sub(rf"(?<![\w-])({names})(?![\w-])", lambda m: flags[m.group(1)], message)
+    first = re.match(r"\w+", message)
+    if first and first.group() in flags and "_" not in first.group():
+        message = flags[first.group()] + message[first.end():]
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         rc = args.func(args)
         sys.stdout.flush()  # a reader gone early (`| head`) surfaces here, not at interpreter exit
         return rc
     except (ConfigError, InvalidRequestError) as e:
-        param = f" [{e.param}]" if getattr(e, "param", None) else ""
-        print(f"kvserve: error{param}: {e}", file=sys.stderr)
+        flags = _flag_names(parser, args)
+        param = f" [{as_flags(e.param, flags)}]" if getattr(e, "param", None) else ""
+        print(f"kvserve: error{param}: {as_flags(str(e), flags)}", file=sys.stderr)
         return 2
     except ProbeError as e:  # a rate this host cannot measure now (kvserve probe, explain --probe)
         print(f"kvserve: error: {e}", file=sys.stderr)

@@ -28,9 +28,31 @@ def test_generate_bad_input_is_a_clear_error():
     r = kvserve("generate", "hi", *TINY, "--temperature", "-1")
     assert r.returncode == 2 and "temperature" in r.stderr and "Traceback" not in r.stderr
     r = kvserve("generate", "hi", *TINY, "--max-tokens", "100000")
-    assert r.returncode == 2 and "max_tokens" in r.stderr and "512" in r.stderr
+    assert r.returncode == 2 and "--max-tokens" in r.stderr and "512" in r.stderr
     r = kvserve("generate", "hi", *TINY, "--kv-cache-memory", "64KiB")
-    assert r.returncode == 2 and "max_model_len=512" in r.stderr
+    assert r.returncode == 2 and "--max-model-len=512" in r.stderr
+
+
+def test_cli_errors_name_the_flags_not_the_settings():
+    """Errors are raised with the Python API's setting names; the CLI prints them as the flags a user
+    types (a new-user trial met ``draft_model`` for ``--draft-model``). One-word names are English
+    words too ("the model's context length"): only a message's first word is taken for those."""
+    from kvserve.cli import as_flags
+
+    flags = {"block_size": "--block-size", "draft_model": "--draft-model", "model": "--model", "batch": "--batch",
+             "max_model_len": "--max-model-len"}
+    assert as_flags("block_size must be a positive power of two, got 0", flags) == \
+        "--block-size must be a positive power of two, got 0"
+    assert as_flags("speculative_method 'draft' needs draft_model (a model name or path)", flags) == \
+        "speculative_method 'draft' needs --draft-model (a model name or path)"  # not a flag here: kept
+    assert as_flags("batch must be >= 1, got 0", flags) == "--batch must be >= 1, got 0"
+    assert as_flags("max_model_len (9) exceeds the model's context length; lower --max-model-len", flags) == \
+        "--max-model-len (9) exceeds the model's context length; lower --max-model-len"
+    assert as_flags("draft_model_dir and block_sizes stay", flags) == "draft_model_dir and block_sizes stay"
+    r = kvserve("generate", "hi", *TINY, "--speculative-method", "draft")
+    assert r.returncode == 2 and "--speculative-method 'draft' needs --draft-model" in r.stderr, r.stderr
+    r = kvserve("generate", "hi", *TINY, "--block-size", "0")
+    assert r.returncode == 2 and "--block-size must be" in r.stderr, r.stderr
 
 
 def test_chat_reads_stdin():
