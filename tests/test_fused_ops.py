@@ -455,6 +455,33 @@ def test_decode_plan_follows_weights_given_new_storage(weight_dtype):
         assert [x.top_logprobs for x in a.logprobs] == [x.top_logprobs for x in b.logprobs]
 
 
+def test_decode_plan_prefetches_the_objects_its_pointer_check_reads():
+    """After each step the plan prefetches, for every tensor whose pointer it checks, its Python object,
+    TensorImpl and StorageImpl (the check's cold misses). Prefetching must never fault: freed, null,
+    kernel-space and non-canonical addresses included."""
+    from kvserve import SamplingParams
+    from kvserve.attention import kv_quant_kernel
+    from kvserve.models.llama_decode import _object_addresses
+    from tests.conftest import tiny_llm
+
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        pytest.skip("no C kernels here")
+    freed = torch.empty(1 << 22, dtype=torch.uint8)
+    bad = [0, 1, 64, freed.data_ptr(), -4096, -(1 << 63), 0x00007FFFFFFFFFC0, 0x0000800000000000]
+    del freed
+    addrs = torch.tensor(bad, dtype=torch.int64)
+    dll.kvs_prefetch_lines(addrs.data_ptr(), addrs.shape[0], 4096)  # reaching the next line: nothing faulted
+    t = torch.zeros(3)
+    assert _object_addresses([t]) == [id(t), t._cdata, t.untyped_storage()._cdata]
+    llm = tiny_llm(weight_dtype="int4")
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    runner = llm.engine.runner
+    plan = runner.model.decode_plan(runner.kv_caches)
+    assert plan is not None and len(plan._object_addrs) == 3 * len(plan._pinned)
+    assert plan._object_addrs.tolist() == _object_addresses(plan._pinned)
+
+
 def test_rope_write_kv_head_dim_over_kernel_buffer_takes_reference_path():
     """head_dim > 512 (the kernel's per-head buffer) must not reach the kernel."""
     qkv, pos, rot, slots, (fast_c, ref_c), (H, Hkv, d) = _rope_case(torch.float32, torch.float32, T=2, H=2, Hkv=1, d=640)

@@ -133,6 +133,7 @@ class LlamaDecodePlan:
             vocab = self.embed.shape[0] if lm is None else lm.out_features
             self._lm_args = (w.data_ptr(), kind, None if sc is None else sc.data_ptr(), vocab)
         self._pinned_ptrs = [t.data_ptr() for t in self._pinned]
+        self._object_addrs = torch.tensor(_object_addresses(self._pinned), dtype=torch.int64)
         self._token_ids = torch.empty(1, dtype=torch.int64)  # greedy(): the C call's output, [max B seen]
         self._token_ids_np = self._token_ids.numpy()
 
@@ -152,7 +153,9 @@ class LlamaDecodePlan:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self._follow_storage()
-        return self._step(input_ids, positions, meta)
+        out = self._step(input_ids, positions, meta)
+        self._warm_objects()
+        return out
 
     def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> list[int] | None:
         """The step and each row's greedy next token (``kvs_argmax_rows`` of its logits: the first maximum,
@@ -168,11 +171,18 @@ class LlamaDecodePlan:
             self._token_ids = torch.empty(B, dtype=torch.int64)
             self._token_ids_np = self._token_ids.numpy()
         self._step(input_ids, positions, meta, self._token_ids)  # the C call writes the first B
+        self._warm_objects()
         return self._token_ids_np[:B].tolist()
 
     def _follow_storage(self) -> None:
         if [t.data_ptr() for t in self._pinned] != self._pinned_ptrs:  # new weight storage: new pointers
             self.__init__(self.model, self.caches, self.dll)
+
+    def _warm_objects(self) -> None:
+        """Prefetch the objects the next step's ``_follow_storage`` reads (``kvs_prefetch_lines``), which the
+        step just run has pushed out of the caches; they arrive while the engine does its bookkeeping."""
+        addrs = self._object_addrs
+        self.dll.kvs_prefetch_lines(addrs.data_ptr(), addrs.shape[0], OBJECT_BYTES)
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
               token_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -238,6 +248,23 @@ class LlamaDecodePlan:
         norm(xp, delta.data_ptr(), ACT_CODES[delta.dtype], self.final_norm.data_ptr(), ACT_CODES[self.final_norm.dtype],
              eps, out.data_ptr(), act, B, n, act, nt)
         return out
+
+
+OBJECT_BYTES = 256  # prefetched from each address of _object_addresses: a TensorImpl's fields data_ptr() reads
+
+
+def _object_addresses(tensors: list[torch.Tensor]) -> list[int]:
+    """Where ``t.data_ptr()`` looks for each tensor: its Python object (CPython's ``id``), its TensorImpl
+    (``_cdata``) and its StorageImpl (the storage's ``_cdata``); only the first where a torch build has
+    no ``_cdata``. Addresses for prefetching only: nothing is read through them."""
+    out = []
+    for t in tensors:
+        out.append(id(t))
+        try:
+            out += [t._cdata, t.untyped_storage()._cdata]
+        except (AttributeError, RuntimeError):
+            pass
+    return out
 
 
 def _input_dtype(linear: torch.nn.Module, act: torch.dtype) -> torch.dtype:
