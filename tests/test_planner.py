@@ -792,3 +792,26 @@ def test_plan_counts_the_draft_models_memory(capsys):
     assert d["fits"] is False and d["capacity"]["draft_bytes"] > 800e9
     # the speculative E2E is the plan's with the speculative ITL: TTFT + (N - 1) × ITL
     assert d["speculative"]["e2e_ms"] == pytest.approx(d["ttft_ms"] + 249 * d["speculative"]["itl_ms"])
+
+
+def test_plan_sweep_carries_the_speculative_options(capsys):
+    """--sweep with --spec-acceptance: every row gets the speculative estimate (a 'spec ITL' column; a
+    'speculative' object per JSON row). Before, a sweep ignored the speculative options."""
+    from kvserve.cli import main
+
+    base = ["plan", "--model", "llama-3-8b", "--hardware", "h100-sxm", "--tp", "1", "--sweep", "batch"]
+    assert main([*base, "--json", "--spec-acceptance", "0.8", "--spec-tokens", "3"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    for r in rows:
+        sp = r["speculative"]
+        assert sp["tokens_per_step"] == pytest.approx((1 - 0.8 ** 4) / (1 - 0.8))  # 2.952, by hand
+        assert sp["itl_ms"] == pytest.approx(sp["step_ms"] / 2.952)
+        assert sp["e2e_ms"] == pytest.approx(r["ttft_ms"] + (r["workload"]["output_tokens"] - 1) * sp["itl_ms"])
+    assert len({r["speculative"]["verify_step_ms"] for r in rows}) == len(rows)  # each row's own batch
+    assert main([*base, "--spec-acceptance", "0.8", "--spec-tokens", "3", "--plot", os.devnull]) == 0
+    out = capsys.readouterr().out
+    assert "spec ITL" in out and "α=0.8, γ=3" in out
+    table = [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [float(t[-1]) for t in table] == [pytest.approx(r["speculative"]["itl_ms"], abs=0.006) for r in rows]
+    assert main([*base, "--plot", os.devnull]) == 0
+    assert "spec ITL" not in capsys.readouterr().out

@@ -219,13 +219,21 @@ def cmd_plan(a: argparse.Namespace) -> int:
     draft = _draft_shape(a)
     if a.sweep:
         rows = sweep(shape, hw, eff, w, a.sweep, draft)
+        row_w = [replace(w, **({"prompt_tokens": x} if a.sweep == "context" else {"batch": x})) for x, _ in rows]
+        specs = [_spec(a, shape, hw, eff, wx, p) for wx, (_, p) in zip(row_w, rows)]  # None without --spec-acceptance
         if a.json:  # one JSON object: the axis and each row's plan; a PNG only where --plot asks for one
-            print(json.dumps({"axis": a.sweep, "rows": [{a.sweep: x} | plan_dict(p, shape, hw, replace(
-                w, **({"prompt_tokens": x} if a.sweep == "context" else {"batch": x}))) for x, p in rows]}))
+            print(json.dumps({"axis": a.sweep, "rows": [
+                {a.sweep: x} | plan_dict(p, shape, hw, wx) | ({"speculative": sp} if sp else {})
+                for (x, p), wx, sp in zip(rows, row_w, specs)]}))
             if not a.plot:
                 return 0
         else:
-            print(format_sweep(rows, a.sweep, shape, hw, w))
+            spec_note = None
+            if a.spec_acceptance is not None:
+                spec_note = (f"speculative (α={a.spec_acceptance}, γ={a.spec_tokens}, "
+                             + (f"draft {a.draft_model})" if a.draft_model else "drafting taken as free)"))
+            print(format_sweep(rows, a.sweep, shape, hw, w, [sp["itl_ms"] for sp in specs] if specs[0] else None,
+                               spec_note))
         path = a.plot or f"plan-{shape.name}-{a.sweep}.png"
         what = f"{shape.name} on {w.tp}× {hw.name}, weights {w.weight_dtype}, KV {w.kv_dtype}"
         plot_sweep(rows, a.sweep, f"{what}, batch {w.batch}" if a.sweep == "context"

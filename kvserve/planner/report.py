@@ -122,11 +122,13 @@ def sweep(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, axis: s
     return [(x, plan(shape, hw, eff, replace(w, batch=x), draft)) for x in SWEEP_BATCHES]
 
 
-def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw: Hardware, w: Workload) -> str:
+def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw: Hardware, w: Workload,
+                 spec_itl_ms: list[float] | None = None, spec_note: str | None = None) -> str:
     """The sweep as a table under a title line that names the model, hardware, dtypes and what is held
     fixed. Columns: the prompt length (context) or batch, TTFT and ITL, the decode step's terms at the
     mean context (weights, KV, compute, comm, overhead; ms), output tokens/s, what bounds the step, and
-    whether weights + KV fit the usable memory."""
+    whether weights + KV fit the usable memory; with ``spec_itl_ms`` (one per row) a last column of the
+    mean ITL with speculative decoding, which ``spec_note`` describes."""
     held = (f"batch {w.batch}, {w.output_tokens:,} output tokens" if axis == "context"
             else f"{w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens")
     lines = [f"kvserve plan --sweep {axis} — {shape.name} on {w.tp}× {hw.name}: weights {_weights(w)}, "
@@ -136,13 +138,17 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
              "  decode step at each row's mean context, in ms per step (weights, KV, compute, comm, overhead); "
              "tok/s: output tokens per second of the whole batch",
              f"{'prompt' if axis == 'context' else 'batch':>8} {'TTFT ms':>10} {'ITL ms':>8} {'weights':>8} {'KV':>8} "
-             f"{'compute':>8} {'comm':>6} {'overhead':>8} {'tok/s':>9} {'bound':>8} {'fits':>5}"]
-    for x, p in rows:
+             f"{'compute':>8} {'comm':>6} {'overhead':>8} {'tok/s':>9} {'bound':>8} {'fits':>5}"
+             + (f" {'spec ITL':>9}" if spec_itl_ms else "")]
+    if spec_itl_ms:
+        lines.insert(-1, f"  spec ITL: mean ITL in ms with {spec_note or 'speculative decoding'}")
+    for i, (x, p) in enumerate(rows):
         t = p.decode_mean.terms_ms()
         batch = p.decode_mean.num_tokens
         lines.append(f"{x:>8} {p.ttft_ms:>10.1f} {p.itl_ms:>8.2f} {t['weights_ms']:>8.2f} {t['kv_ms']:>8.2f} "
                      f"{t['compute_ms']:>8.2f} {t['comm_ms']:>6.2f} {t['overhead_ms']:>8.2f} "
-                     f"{batch * 1e3 / p.itl_ms:>9.1f} {p.decode_mean.bound:>8} {'yes' if p.capacity.fits else 'no':>5}")
+                     f"{batch * 1e3 / p.itl_ms:>9.1f} {p.decode_mean.bound:>8} {'yes' if p.capacity.fits else 'no':>5}"
+                     + (f" {spec_itl_ms[i]:>9.2f}" if spec_itl_ms else ""))
     longest = replace(w, prompt_tokens=rows[-1][0]) if axis == "context" else w
     if not within_context(shape, longest):
         lines.append(f"  NOTE: {longest.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens exceed the "
