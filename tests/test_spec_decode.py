@@ -197,6 +197,29 @@ def test_draft_model_must_fit_beside_the_target(monkeypatch):
     assert tiny_llm(num_kv_blocks=64).engine.speculator is None  # the target alone still fits
 
 
+def test_a_draft_that_cannot_work_fails_before_the_target_is_built(monkeypatch):
+    """A draft too big for the machine on its own, or with another vocabulary, is refused before the
+    target's weights are built (a large target loads for minutes). Oracle: tiny-llama's float32
+    weights, 25,462,016 bytes (counted in the test above), and the draft's 256 MiB KV pool: 280.3 MiB."""
+    from kvserve import memory
+    from kvserve.config import ConfigError
+    from kvserve.engine import llm_engine
+
+    built = []
+    real = llm_engine.build_model
+    monkeypatch.setattr(llm_engine, "build_model", lambda *a, **k: built.append(a[0].name) or real(*a, **k))
+    monkeypatch.setattr(memory, "physical_memory_bytes", lambda: 6_365_504 * 4 + (256 << 20) - 1)
+    with pytest.raises(ConfigError, match=r"draft_model 'tiny-llama': its weights \(6\.4M parameters in float32: "
+                                          r"24\.3 MiB\) and KV cache \(256\.0 MiB\) need 280\.3 MiB, more than"):
+        tiny_llm(speculative_method="draft", draft_model="tiny-llama", draft_load_format="dummy", num_kv_blocks=64)
+    assert built == []
+    monkeypatch.undo()
+    monkeypatch.setattr(llm_engine, "build_model", lambda *a, **k: built.append(a[0].name) or real(*a, **k))
+    with pytest.raises(ConfigError, match=r"draft_model vocabulary \(128256\) differs from the target's \(49152\)"):
+        tiny_llm(speculative_method="draft", draft_model="llama-3-8b", draft_load_format="dummy")
+    assert built == []
+
+
 def test_resident_bytes_counts_each_storage_once():
     """memory.resident_bytes: parameters and buffers by their storages, a tied weight once (hand count:
     a 10×4 float32 weight shared by two layers, their two 10-element biases, a 3-element int8 buffer)."""

@@ -28,7 +28,7 @@ from kvserve.models.registry import build_model
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import InvalidRequestError, SamplingParams
-from kvserve.spec_decode.speculator import build_speculator
+from kvserve.spec_decode.speculator import build_speculator, load_draft
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,8 @@ class LLMEngine:
         self.model_name = source.name
         self.dtype = config.torch_dtype
         self._check_weights_fit(ckpt.config)
+        # a draft model that cannot work (another vocabulary, too big alone) fails before the target's load
+        draft_ckpt = load_draft(config.spec_decode, ckpt.config.vocab_size, self.dtype, config.seed)
         self.model = build_model(ckpt.config, self.dtype, ckpt.weights, seed=config.seed)
         self.weight_kinds = self._quantize_weights(ckpt)
         memory.model_to_huge_pages(self.model)  # after packing: the tensors a decode step streams
@@ -107,7 +109,7 @@ class LLMEngine:
         # a draft model must fit beside the target's weights as held (packed ones packed) and its KV cache
         resident = self._weights_resident + num_blocks * self.kv_spec.bytes_per_block
         self.speculator = build_speculator(config.spec_decode, ckpt.config.vocab_size, self.dtype, config.seed,
-                                           resident_bytes=resident)
+                                           resident_bytes=resident, draft_ckpt=draft_ckpt)
         self.weight_bytes_per_step, self._embedding_row_bytes = weight_bytes_of(self.model)
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
         self._parents: dict[str, _Parent] = {}

@@ -56,13 +56,57 @@ class Speculator:
             self.proposer.free(request_id)
 
 
+def load_draft(config: SpecDecodeConfig, target_vocab_size: int, dtype: torch.dtype, seed: int):
+    """The draft model's checkpoint (its weights still lazy), or None when the method needs none. Made
+    before the target is built, so a draft that cannot work fails at once, not after a long load:
+    ConfigError when its vocabulary differs from the target's, or when its weights and KV cache alone
+    exceed this machine's physical memory (:func:`check_draft_memory` with nothing else resident)."""
+    if config.method != "draft":
+        return None
+    from kvserve.models.catalog import resolve_model
+    from kvserve.models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(resolve_model(config.draft_model, config.draft_load_format), seed=seed, progress=False)
+    if ckpt.config.vocab_size != target_vocab_size:
+        raise ConfigError(f"draft_model vocabulary ({ckpt.config.vocab_size}) differs from the target's "
+                          f"({target_vocab_size}); they must share a tokenizer")
+    check_draft_memory(config, ckpt.config, dtype, 0)
+    return ckpt
+
+
+def check_draft_memory(config: SpecDecodeConfig, draft_config, dtype: torch.dtype, resident_bytes: int) -> int:
+    """The draft's KV pool in blocks. ConfigError when its weights (parameters × ``dtype``'s size,
+    before any packing) and its KV cache (``draft_kv_cache_memory_bytes``, at least 16 blocks), with
+    ``resident_bytes`` (what the target holds: its weights as built, packed ones packed, and its KV
+    cache; bytes), exceed this machine's physical memory."""
+    from kvserve import memory
+    from kvserve.kv_cache.spec import KVCacheSpec
+
+    kv_spec = KVCacheSpec.from_model(draft_config, dtype, 16)
+    num_blocks = max(16, config.draft_kv_cache_memory_bytes // kv_spec.bytes_per_block)
+    n = draft_config.num_params()
+    weights = memory.nbytes(n, dtype)
+    kv = num_blocks * kv_spec.bytes_per_block
+    have = memory.physical_memory_bytes()
+    if resident_bytes + weights + kv > have:
+        if resident_bytes + kv > have:  # the draft's KV pool alone is over what is left: no smaller draft helps
+            advice = "lower kv_cache_memory (--kv-cache-memory) or use --dtype bfloat16"
+        else:
+            advice = "use a smaller draft_model, lower kv_cache_memory (--kv-cache-memory) or use --dtype bfloat16"
+        count, size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M", memory.format_size
+        beside = f" beside the target's weights and KV cache ({size(resident_bytes)})" if resident_bytes else ""
+        raise ConfigError(
+            f"draft_model {config.draft_model!r}: its weights ({count} parameters in "
+            f"{str(dtype).removeprefix('torch.')}: {size(weights)}) and KV cache ({size(kv)}){beside} need "
+            f"{size(resident_bytes + weights + kv)}, more than this machine's {size(have)}; {advice}")
+    return num_blocks
+
+
 def build_speculator(config: SpecDecodeConfig, target_vocab_size: int, dtype: torch.dtype, seed: int,
-                     resident_bytes: int = 0):
-    """None when speculation is off. ConfigError when the draft's vocabulary differs from the target's, or
-    when its weights (parameters × ``dtype``'s size, before any packing) and its KV cache
-    (``draft_kv_cache_memory_bytes``, at least 16 blocks), with ``resident_bytes`` (what the target holds:
-    its weights as built, packed ones packed, and its KV cache; bytes), exceed this machine's physical
-    memory: checked before the draft's weights are built, so the error comes instead of the OOM killer."""
+                     resident_bytes: int = 0, draft_ckpt=None):
+    """None when speculation is off. For a draft model: ``draft_ckpt`` from :func:`load_draft` (loaded
+    here when None, with its checks), then :func:`check_draft_memory` with ``resident_bytes`` (what the
+    target holds), before the draft's weights are built, so the error comes instead of the OOM killer."""
     if config.method is None:
         return None
     if config.method == "ngram":
@@ -70,32 +114,12 @@ def build_speculator(config: SpecDecodeConfig, target_vocab_size: int, dtype: to
                                                 config.prompt_lookup_max))
     from kvserve import memory
     from kvserve.kv_cache.spec import KVCacheSpec
-    from kvserve.models.catalog import resolve_model
-    from kvserve.models.loader import load_checkpoint
     from kvserve.models.registry import build_model
     from kvserve.spec_decode.draft import DraftModelProposer
 
-    ckpt = load_checkpoint(resolve_model(config.draft_model, config.draft_load_format), seed=seed, progress=False)
-    if ckpt.config.vocab_size != target_vocab_size:
-        raise ConfigError(f"draft_model vocabulary ({ckpt.config.vocab_size}) differs from the target's "
-                          f"({target_vocab_size}); they must share a tokenizer")
+    ckpt = draft_ckpt if draft_ckpt is not None else load_draft(config, target_vocab_size, dtype, seed)
+    num_blocks = check_draft_memory(config, ckpt.config, dtype, resident_bytes)
     kv_spec = KVCacheSpec.from_model(ckpt.config, dtype, 16)
-    num_blocks = max(16, config.draft_kv_cache_memory_bytes // kv_spec.bytes_per_block)
-    weights = memory.nbytes(ckpt.config.num_params(), dtype)
-    kv = num_blocks * kv_spec.bytes_per_block
-    have = memory.physical_memory_bytes()
-    if resident_bytes + weights + kv > have:
-        n = ckpt.config.num_params()
-        if resident_bytes + kv > have:  # the draft's KV pool alone is over what is left: no smaller draft helps
-            advice = "lower kv_cache_memory (--kv-cache-memory) or use --dtype bfloat16"
-        else:
-            advice = "use a smaller draft_model, lower kv_cache_memory (--kv-cache-memory) or use --dtype bfloat16"
-        count, size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M", memory.format_size
-        raise ConfigError(
-            f"draft_model {config.draft_model!r}: its weights ({count} parameters in "
-            f"{str(dtype).removeprefix('torch.')}: {size(weights)}) and KV cache ({size(kv)}) beside the "
-            f"target's weights and KV cache ({size(resident_bytes)}) need {size(resident_bytes + weights + kv)}, "
-            f"more than this machine's {size(have)}; {advice}")
     model = build_model(ckpt.config, dtype, ckpt.weights, seed=seed)
     memory.model_to_huge_pages(model)  # the draft's decode steps stream its weights too
     return Speculator(config, DraftModelProposer(model, kv_spec, num_blocks, config.num_speculative_tokens))
