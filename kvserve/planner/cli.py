@@ -216,9 +216,9 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from kvserve.planner.report import format_plan, format_sweep, plan_dict, plot_sweep, sweep
 
     shape, hw, eff, w = _resolve(a)
-    draft = _draft_shape(a)
+    draft_shape = _draft_shape(a)
     if a.sweep:
-        rows = sweep(shape, hw, eff, w, a.sweep, draft)
+        rows = sweep(shape, hw, eff, w, a.sweep, draft_shape)
         row_w = [replace(w, **({"prompt_tokens": x} if a.sweep == "context" else {"batch": x})) for x, _ in rows]
         specs = [_spec(a, shape, hw, eff, wx, p) for wx, (_, p) in zip(row_w, rows)]  # None without --spec-acceptance
         if a.json:  # one JSON object: the axis and each row's plan; a PNG only where --plot asks for one
@@ -240,7 +240,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
                    else f"{what}, {w.prompt_tokens} prompt tokens", path)
         print(f"wrote {path}", file=sys.stderr)
         return 0
-    p = plan(shape, hw, eff, w, draft)
+    p = plan(shape, hw, eff, w, draft_shape)
     spec = _spec(a, shape, hw, eff, w, p)
     if a.json:
         print(json.dumps(plan_dict(p, shape, hw, w) | ({"speculative": spec} if spec else {})))

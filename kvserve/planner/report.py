@@ -77,7 +77,9 @@ def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
     dev = "device" if hw.hardware_class == "local" else "GPU"  # local: this machine (a CPU here)
     draft = ""
     if c.draft_bytes:  # the draft runs unsharded on one of the tp devices: that one is the fullest
-        draft = f" + draft model's weights and KV {_gb(c.draft_bytes)}" + (f" (on one {dev} of {w.tp})" if w.tp > 1 else "")
+        draft = f" + draft model's weights and KV {_gb(c.draft_bytes)}"
+        if w.tp > 1:
+            draft += f" (on one {dev} of {w.tp})"
     lines = [
         f"kvserve plan — {shape.name} on {w.tp}× {hw.name}: weights {_weights(w)}, KV {w.kv_dtype}, "
         f"batch {w.batch}, {w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens",
@@ -93,7 +95,8 @@ def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
         + (f" + {w.network_ms:g} ms network" if w.network_ms else ""),
         f"  decode step at mean context {p.decode_mean.context_tokens / w.batch:,.0f} tokens, per {dev}:",
         *_term_rows(p.decode_mean),
-        f"  memory per {dev}: weights {_gb(c.weight_bytes)} + KV {_gb(c.kv_bytes)}{draft} of {_gb(c.memory_bytes)} usable → "
+        f"  memory per {dev}: weights {_gb(c.weight_bytes)} + KV {_gb(c.kv_bytes)}{draft} of {_gb(c.memory_bytes)} "
+        f"usable → "
         f"{'fits' if c.fits else 'DOES NOT FIT'}; largest batch at this context: {c.max_batch}",
         f"  KV bytes per token {shape.kv_bytes_per_token(w.kv_dtype):,.0f} B; KV read passes weight read at "
         f"batch × context = {c.kv_exceeds_weights_tokens:,.0f} tokens",
