@@ -735,7 +735,9 @@ def test_plan_without_tp_takes_the_fewest_gpus_that_hold_the_workload(capsys, tm
     # only sizes that divide the attention heads (an adversarial finding: Qwen2-7B's 28 heads on 8 GPUs)
     got = plan("--model", "qwen2-7b", "--batch", "570")
     assert got["workload"]["tp"] == 4 and not got["fits"] and "divide the 28 attention heads" in got["workload"]["tp_note"]
-    assert plan("--model", "qwen2-7b", "--batch", "570", "--tp", "8")["fits"]  # taken as given
+    # a given --tp must divide them too, as vLLM requires (it was taken as given, the heads split unevenly)
+    assert main(["plan", "--model", "qwen2-7b", "--tp", "8"]) == 2
+    assert "--tp 8 does not divide qwen2-7b's 28 attention heads" in capsys.readouterr().err
     got = plan("--model", "smollm2-135m", "--batch", "4000")  # 9 heads: 1 GPU only
     assert got["workload"]["tp"] == 1 and "not even 1 GPU (" in got["workload"]["tp_note"]
     assert main(["plan", "--tp", "0"]) == 2 and "tp must be >= 1, got 0" in capsys.readouterr().err
@@ -815,3 +817,39 @@ def test_plan_sweep_carries_the_speculative_options(capsys):
     assert [float(t[-1]) for t in table] == [pytest.approx(r["speculative"]["itl_ms"], abs=0.006) for r in rows]
     assert main([*base, "--plot", os.devnull]) == 0
     assert "spec ITL" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--chunk-tokens", "-5"], "--chunk-tokens must be >= 0, got -5"),  # was an IndexError
+    (["--tokenize-ms", "-3"], "--tokenize-ms must be a finite time >= 0, got -3.0"),  # took 3 ms off TTFT
+    (["--output-tokens", "-1"], "--output-tokens must be >= 0, got -1"),  # said ">= 1"
+    (["--tp", "3"], "--tp 3 does not divide llama-3-70b's 64 attention heads"),
+    (["--spec-acceptance", "1.5"], "--spec-acceptance is an acceptance rate in [0, 1], got 1.5"),
+    (["--spec-acceptance", "nan"], "--spec-acceptance is an acceptance rate in [0, 1], got nan"),
+    (["--spec-acceptance", "0.5", "--spec-tokens", "-1"], "--spec-tokens must be >= 0, got -1"),
+    (["--spec-acceptance", "0.5", "--draft-model", "nope"], "--draft-model: unknown model 'nope'"),
+    # the engine refuses such a pair; the plan gave it a 1.36x speed-up
+    (["--spec-acceptance", "0.5", "--draft-model", "smollm2-135m"],
+     "draft model smollm2-135m: its vocabulary (49152) differs from llama-3-70b's (128256)"),
+    (["--sweep", "batch", "--plot", "/nonexistent-dir/x.png"], "--plot '/nonexistent-dir/x.png': cannot write"),
+])
+def test_plan_bad_input_is_one_error_line_naming_the_flag(args, message, capsys):
+    """Found by a new-user trial: some of these were tracebacks, some were taken without a word."""
+    from kvserve.cli import main
+
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve: error: ") and message in err and "Traceback" not in err, err
+
+
+def test_plan_says_when_no_gpu_count_can_hold_the_draft(capsys):
+    """The draft runs unsharded: if it alone exceeds one GPU, more GPUs cannot help, and the note says so
+    (405B in bf16: 810 GB of weights against 72 GB usable)."""
+    from kvserve.cli import main
+
+    assert main(["plan", "--draft-model", "llama-3.1-405b", "--spec-acceptance", "0.7", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert "the draft model alone" in d["workload"]["tp_note"] and "no GPU count holds it" in d["workload"]["tp_note"]
+    assert d["fits"] is False
+    assert d["speculative"]["acceptance_rate"] == 0.7 and d["speculative"]["num_speculative_tokens"] == 4
+    assert d["speculative"]["draft_model"] == "llama-3.1-405b"

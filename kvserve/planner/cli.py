@@ -34,8 +34,9 @@ def add_planner_parsers(sub) -> None:
     p.add_argument("--hardware", default="h100-sxm", help="a100-80gb-sxm, h100-sxm, h100-pcie, h200, b200, "
                    "mi300x, l40s, or local (after `kvserve probe`)")
     p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel GPUs (default: the fewest of 1, 2, 4, 8 that divide the attention heads "
-                   "and whose usable memory holds the weights and the workload's KV cache; 1 on --hardware local)")
+                   help="tensor-parallel GPUs, a divisor of the attention heads (default: the fewest of 1, 2, 4, 8 "
+                   "that divide them and whose usable memory holds the weights and the workload's KV cache; 1 on "
+                   "--hardware local)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="default 8192, or the longest prompt the model's context length leaves room for "
                    "with --output-tokens")
@@ -92,8 +93,12 @@ def _resolve(a: argparse.Namespace):
 
     local = a.hardware.lower() == "local"
     if a.draft_model and a.spec_acceptance is None:
-        raise ConfigError("draft_model: --draft-model enters only the speculative estimate, which needs "
-                          "--spec-acceptance (the acceptance rate α, 0-1); give both or neither")
+        raise ConfigError("--draft-model enters only the speculative estimate, which needs --spec-acceptance "
+                          "(the acceptance rate α, 0-1); give both or neither")
+    if a.spec_acceptance is not None and not 0 <= a.spec_acceptance <= 1:
+        raise ConfigError(f"--spec-acceptance is an acceptance rate in [0, 1], got {a.spec_acceptance}")
+    if a.spec_tokens < 0:
+        raise ConfigError(f"--spec-tokens must be >= 0, got {a.spec_tokens}")
     if local and a.tp not in (None, 1):
         raise ConfigError(f"tp: --hardware local plans this one machine, which kvserve runs without tensor "
                           f"parallelism; --tp must be 1, got {a.tp}")
@@ -105,6 +110,13 @@ def _resolve(a: argparse.Namespace):
     a.kv_dtype = a.kv_dtype or ("fp32" if local else "bf16")  # local: the engine's float32 compute dtype
     a.model = model
     shape = get_model(a.model)
+    if a.tp is not None and a.tp >= 1 and shape.num_heads % a.tp:
+        raise ConfigError(f"--tp {a.tp} does not divide {shape.name}'s {shape.num_heads} attention heads: tensor "
+                          f"parallelism gives each GPU an equal share of them (vLLM requires it too)")
+    draft = _draft_shape(a)
+    if draft is not None and draft.vocab_size != shape.vocab_size:
+        raise ConfigError(f"draft model {draft.name}: its vocabulary ({draft.vocab_size}) differs from "
+                          f"{shape.name}'s ({shape.vocab_size}); a draft must share the target's tokenizer")
     if a.prompt_tokens is None:  # a request the engine would accept (prompt + output <= context length)
         a.prompt_tokens = max(min(8192, shape.max_position_embeddings - a.output_tokens), 1)
     tp = 1 if a.tp is None else a.tp  # not given: 1 here, the fewest GPUs that hold it below (not on local)
@@ -133,10 +145,16 @@ def _resolve(a: argparse.Namespace):
 
 
 def _draft_shape(a: argparse.Namespace):
-    """The --draft-model's shape, or None."""
+    """The --draft-model's shape, or None; ConfigError naming the flag for a model it cannot find."""
+    from kvserve.config import ConfigError
     from kvserve.planner.models import get_model
 
-    return get_model(a.draft_model) if a.draft_model else None
+    if not a.draft_model:
+        return None
+    try:
+        return get_model(a.draft_model)
+    except ConfigError as e:
+        raise ConfigError(f"--draft-model: {e}") from None
 
 
 AUTO_TP = (1, 2, 4, 8)  # the tensor-parallel sizes `plan` tries when --tp is not given
@@ -149,7 +167,7 @@ def _fewest_gpus(shape, hw, w, draft=None):
     if none does."""
     from dataclasses import replace
 
-    from kvserve.planner.cost import capacity
+    from kvserve.planner.cost import GPU_MEMORY_UTILIZATION, capacity
 
     sizes = [tp for tp in AUTO_TP if shape.num_heads % tp == 0]
     heads = "" if sizes == list(AUTO_TP) else \
@@ -160,6 +178,11 @@ def _fewest_gpus(shape, hw, w, draft=None):
             break
     else:
         most = sizes[-1]
+        draft_alone = capacity(shape, hw, replace(w, tp=most), draft).draft_bytes
+        if draft is not None and draft_alone > hw.memory_bytes * GPU_MEMORY_UTILIZATION:
+            return replace(w, tp=most, tp_note=f"--tp not given: the draft model alone ({draft_alone / 1e9:,.2f} GB "
+                           f"of weights and KV) exceeds one GPU's usable memory, and it runs unsharded: no GPU "
+                           f"count holds it; planned on {most}")
         gpus = f"{most} GPUs{heads} hold" if most > 1 else f"1 GPU{heads} holds"
         return replace(w, tp=most, tp_note=f"--tp not given: not even {gpus} {held}; planned on {most}")
     what = f"{tp} GPUs, the fewest of {', '.join(map(str, sizes))}{heads} that hold" if tp > 1 else "1 GPU holds"
@@ -206,7 +229,8 @@ def _spec(a, shape, hw, eff, w, p) -> dict | None:
     est = speculative_itl(p.itl_ms, verify, draft, a.spec_acceptance, g)
     # E2E as the plan's, with the speculative mean ITL in place of the plain one
     e2e = p.ttft_ms + max(w.output_tokens - 1, 0) * est.itl_ms + w.network_ms
-    return asdict(est) | {"draft_step_ms": draft, "verify_step_ms": verify, "e2e_ms": e2e}
+    return {"acceptance_rate": a.spec_acceptance, "num_speculative_tokens": g, "draft_model": a.draft_model} \
+        | asdict(est) | {"draft_step_ms": draft, "verify_step_ms": verify, "e2e_ms": e2e}
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
@@ -215,8 +239,12 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from kvserve.planner.cost import plan
     from kvserve.planner.report import format_plan, format_sweep, plan_dict, plot_sweep, sweep
 
+    from kvserve.cli import check_writable
+
     shape, hw, eff, w = _resolve(a)
     draft_shape = _draft_shape(a)
+    if a.sweep and (a.plot or not a.json):
+        check_writable("--plot", a.plot or f"plan-{shape.name}-{a.sweep}.png")
     if a.sweep:
         rows = sweep(shape, hw, eff, w, a.sweep, draft_shape)
         row_w = [replace(w, **({"prompt_tokens": x} if a.sweep == "context" else {"batch": x})) for x, _ in rows]
@@ -268,6 +296,11 @@ def cmd_explain(a: argparse.Namespace) -> int:
     from kvserve.planner.explain import format_explain, plot_explain, rows_as_dicts, run_explain
     from kvserve.planner.probe import load_probe, run_probe, save_probe
 
+    from kvserve.cli import check_writable
+
+    for flag, path in (("--plot", a.plot), ("--json", a.json)):
+        if path:
+            check_writable(flag, path)
     probe = run_probe(dtype=a.dtype) if a.probe else load_probe()
     if a.probe:
         save_probe(probe)

@@ -45,9 +45,13 @@ class Workload:
         return self.weight_bytes_per_param or dtype_bytes(self.weight_dtype)
 
     def validate(self) -> "Workload":
-        for f in ("prompt_tokens", "output_tokens", "batch", "tp"):
-            if getattr(self, f) < (0 if f == "output_tokens" else 1):
-                raise ConfigError(f"{f} must be >= 1, got {getattr(self, f)}")
+        for f in ("prompt_tokens", "output_tokens", "batch", "tp", "chunk_tokens"):
+            low = 0 if f in ("output_tokens", "chunk_tokens") else 1
+            if getattr(self, f) < low:
+                raise ConfigError(f"{f} must be >= {low}, got {getattr(self, f)}")
+        for f in ("tokenize_ms", "queue_ms", "network_ms"):  # measured times added to TTFT or E2E
+            if not math.isfinite(getattr(self, f)) or getattr(self, f) < 0:
+                raise ConfigError(f"{f} must be a finite time >= 0, got {getattr(self, f)}")
         dtype_bytes(self.weight_dtype), dtype_bytes(self.kv_dtype)
         return self
 
