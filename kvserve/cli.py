@@ -71,6 +71,17 @@ def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
                           stop=a.stop, stop_token_ids=a.stop_token_ids, ignore_eos=a.ignore_eos)
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0-65535 (0: any free one), checked before the model loads."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer port, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
+    return port
+
+
 def check_writable(flag: str, path: str) -> None:
     """ConfigError naming ``flag`` unless ``path`` could be created or overwritten as a file: checked
     before a long run, so a typo in an output path does not cost the run."""
@@ -223,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -256,17 +267,16 @@ def _flag_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
 
 
 def as_flags(message: str, flags: dict[str, str]) -> str:
-    """``message`` with each setting name that is also a flag of this command written as that flag:
-    errors are raised with the Python API's names (``block_size must be ...``), a CLI user types
-    ``--block-size``. Names of one word (``model``, ``batch``) are words of the text too, so they are
-    taken only where the message starts with one."""
-    compound = sorted((d for d in flags if "_" in d), key=len, reverse=True)
-    if compound:
-        names = "|".join(map(re.escape, compound))
-        message = re.sub(rf"(?<![\w-])({names})(?![\w-])", lambda m: flags[m.group(1)], message)
-    first = re.match(r"\w+", message)
-    if first and first.group() in flags and "_" not in first.group():
-        message = flags[first.group()] + message[first.end():]
+    """``message`` with its subject, a setting named by its first word, written as the flag a CLI user
+    types: errors are raised with the Python API's names (``block_size must be ...``), the command line
+    has ``--block-size``. Only a name of two or more words whose flag spells it (``max_model_len`` →
+    ``--max-model-len``; not ``enable_prefix_caching``, whose flag is ``--no-prefix-caching``), followed
+    by a space, ``:``, ``(`` or the end. Names further on can be parts of paths, quoted values or
+    another model's settings (a draft's), and one-word names (``model``, ``seed``) English words or
+    another flag's: those stay as raised."""
+    m = re.match(r"[a-z]+(?:_[a-z0-9]+)+(?=[\s:(]|$)", message)
+    if m and flags.get(m.group()) == "--" + m.group().replace("_", "-"):
+        return flags[m.group()] + message[m.end():]
     return message
 
 

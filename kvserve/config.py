@@ -310,8 +310,8 @@ class SpecDecodeConfig:
             # else the draft settings would be ignored without a word
             what = f"draft_model {self.draft_model!r}" if self.draft_model else \
                 f"draft_load_format {self.draft_load_format!r}"
-            raise ConfigError(f"{what} is used only with speculative_method 'draft', "
-                              f"got speculative_method {self.method!r}")
+            got = f"got speculative_method {self.method!r}" if self.method else "and no speculative_method was given"
+            raise ConfigError(f"{what} is used only with speculative_method 'draft', {got}")
         # every field is checked even with speculation off: a bad value is an error, never ignored
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "min_drafts",
                      "draft_kv_cache_memory_bytes"):
@@ -335,7 +335,7 @@ class SpecDecodeConfig:
         if self.method is None:
             return self
         if self.method == "draft" and not self.draft_model:
-            raise ConfigError("speculative_method 'draft' needs draft_model (a model name or path)")
+            raise ConfigError("speculative_method 'draft' needs draft_model (--draft-model: a model name or path)")
         return self
 
 

@@ -79,6 +79,8 @@ class SamplingParams:
         _int_at_least("n", self.n, 1)
         _number_in("temperature", self.temperature, 0.0, TEMPERATURE_MAX)
         _number_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if _is_int(self.top_k) and self.top_k < 0:  # -1 was made 0 above
+            raise InvalidRequestError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}", "top_k")
         _int_at_least("top_k", self.top_k, 0)
         _number_in("min_p", self.min_p, 0.0, 1.0)
         _number_in("repetition_penalty", self.repetition_penalty, 0.0, float("inf"), low_open=True)

@@ -30,30 +30,47 @@ def test_generate_bad_input_is_a_clear_error():
     r = kvserve("generate", "hi", *TINY, "--max-tokens", "100000")
     assert r.returncode == 2 and "--max-tokens" in r.stderr and "512" in r.stderr
     r = kvserve("generate", "hi", *TINY, "--kv-cache-memory", "64KiB")
-    assert r.returncode == 2 and "--max-model-len=512" in r.stderr
+    assert r.returncode == 2 and "max_model_len=512" in r.stderr
 
 
 def test_cli_errors_name_the_flags_not_the_settings():
-    """Errors are raised with the Python API's setting names; the CLI prints them as the flags a user
-    types (a new-user trial met ``draft_model`` for ``--draft-model``). One-word names are English
-    words too ("the model's context length"): only a message's first word is taken for those."""
+    """Errors are raised with the Python API's setting names; the CLI writes a message's subject as the
+    flag a user types (a new-user trial met ``draft_model`` for ``--draft-model``). Only the subject:
+    further on, names can be parts of paths, quoted values or a draft's settings (an adversarial review
+    found '/tmp/--max-model-len/--block-size.gguf' and the target's flags in a draft's error), and
+    one-word names are English words or another flag's."""
     from kvserve.cli import as_flags
 
-    flags = {"block_size": "--block-size", "draft_model": "--draft-model", "model": "--model", "batch": "--batch",
-             "max_model_len": "--max-model-len"}
+    flags = {"block_size": "--block-size", "draft_model": "--draft-model", "model": "--model",
+             "max_model_len": "--max-model-len", "num_kv_blocks": "--num-kv-blocks",
+             "enable_prefix_caching": "--no-prefix-caching"}
     assert as_flags("block_size must be a positive power of two, got 0", flags) == \
         "--block-size must be a positive power of two, got 0"
-    assert as_flags("speculative_method 'draft' needs draft_model (a model name or path)", flags) == \
-        "speculative_method 'draft' needs --draft-model (a model name or path)"  # not a flag here: kept
-    assert as_flags("batch must be >= 1, got 0", flags) == "--batch must be >= 1, got 0"
-    assert as_flags("max_model_len (9) exceeds the model's context length; lower --max-model-len", flags) == \
-        "--max-model-len (9) exceeds the model's context length; lower --max-model-len"
-    assert as_flags("draft_model_dir and block_sizes stay", flags) == "draft_model_dir and block_sizes stay"
+    assert as_flags("num_kv_blocks: 1 block of 16 tokens; lower max_model_len", flags) == \
+        "--num-kv-blocks: 1 block of 16 tokens; lower max_model_len"
+    assert as_flags("max_model_len (9) exceeds the model's context length", flags) == \
+        "--max-model-len (9) exceeds the model's context length"
+    for kept in ("GGUF file not found: '/tmp/max_model_len/block_size.gguf'",  # a path
+                 "unknown model 'draft_model': give a .gguf path",  # a quoted value
+                 "model.num_heads (3) must be a multiple of model.num_kv_heads (2)",  # one word, then '.'
+                 "model 'x' is a gguf model, but load_format='safetensors'",  # one-word subject
+                 "block_sizes stay", "max_model_len.json is missing",  # not the name itself
+                 "enable_prefix_caching needs ...",  # its flag does not spell it
+                 "prompt (31 tokens) + max_tokens (100000) exceeds max_model_len"):  # not the subject
+        assert as_flags(kept, flags) == kept
     r = kvserve("generate", "hi", *TINY, "--speculative-method", "draft")
-    assert r.returncode == 2 and "--speculative-method 'draft' needs --draft-model" in r.stderr, r.stderr
+    assert r.returncode == 2 and "--speculative-method 'draft' needs draft_model (--draft-model" in r.stderr, r.stderr
     r = kvserve("generate", "hi", *TINY, "--block-size", "0")
     assert r.returncode == 2 and "--block-size must be" in r.stderr, r.stderr
-
+    # the pool sized by --num-kv-blocks is named so (it said kv_cache_memory, which was not given)
+    r = kvserve("generate", "hi", *TINY, "--num-kv-blocks", "1")
+    assert r.returncode == 2 and "--num-kv-blocks: 1 block of 16 tokens" in r.stderr, r.stderr
+    r = kvserve("generate", "hi", *TINY, "--draft-model", "tiny-llama")
+    assert r.returncode == 2 and "and no speculative_method was given" in r.stderr, r.stderr  # it said "None"
+    r = kvserve("generate", "hi", *TINY, "--speculative-method", "draft", "--draft-model", "/no/max_model_len.gguf")
+    assert r.returncode == 2 and "--draft-model: GGUF file not found: '/no/max_model_len.gguf'" in r.stderr, r.stderr
+    r = kvserve("serve", *TINY, "--port", "99999")  # refused before the model loads; it was a uvicorn traceback
+    assert r.returncode == 2 and "a port is 0-65535, got 99999" in r.stderr and "Traceback" not in r.stderr
 
 def test_chat_reads_stdin():
     r = kvserve("chat", *TINY, "--max-tokens", "5", "--ignore-eos", stdin="Hi\nAnd again\n\n")

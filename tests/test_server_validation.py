@@ -107,7 +107,7 @@ SAMPLING_CASES = [
     ("temperature_3", {"temperature": 3}, "temperature", ("3", "2.0")),
     ("top_p_0", {"top_p": 0}, "top_p", ("0", "1.0")),
     ("top_p_1.5", {"top_p": 1.5}, "top_p", ("1.5", "1.0")),
-    ("top_k_-2", {"top_k": -2}, "top_k", ("-2",)),
+    ("top_k_-2", {"top_k": -2}, "top_k", ("-2", "-1 or 0 (off) or >= 1")),  # it said ">= 0", yet -1 is taken
     ("n_float", {"n": 1.5}, "n", ("1.5",)),
     ("n_0", {"n": 0}, "n", ("0", ">= 1")),
     ("n_huge", {"n": 100000}, "n", ("100000", "128")),

@@ -101,7 +101,8 @@ class LLMEngine:
         self.kv_spec = KVCacheSpec.from_model(ckpt.config, kv_dtype, config.cache.block_size)
         self._weights_resident = memory.resident_bytes(self.model)  # as held: packed matrices packed
         num_blocks = self._resolve_num_blocks()
-        self.kv_spec.check_fits(num_blocks, self.max_model_len, config.scheduler.max_num_batched_tokens)
+        self.kv_spec.check_fits(num_blocks, self.max_model_len, config.scheduler.max_num_batched_tokens,
+                                "num_kv_blocks" if config.cache.num_blocks is not None else "kv_cache_memory")
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, self._prefix_caching(),
                                          group_windows=[g.sliding_window for g in self.kv_spec.groups])
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)

@@ -30,13 +30,19 @@ def cmd_eval_ppl(a: argparse.Namespace) -> int:
     import gc
 
     from kvserve.cli import build_llm, check_writable
+    from kvserve.config import ConfigError
     from kvserve.eval.ppl import compare, corpus_text, format_comparison, format_result, perplexity, windows
 
     a.enable_prefix_caching = False  # every window is scored in full, never served from another's blocks
     a.max_model_len = max(a.max_model_len, a.context + 1)
     if a.json:  # before the run, not after
         check_writable("--json", a.json)
-    llm = build_llm(a)
+    try:
+        llm = build_llm(a)
+    except ConfigError as e:  # max_model_len is set from --context above: say which flag set it
+        if a.max_model_len == a.context + 1 and str(e).startswith("max_model_len"):
+            raise ConfigError(f"--context {a.context}: {e}") from None
+        raise
     ids = windows(llm.tokenizer.encode(corpus_text(), add_special_tokens=False), a.context, a.num_windows)
     result = perplexity(llm, a.kv_cache_dtype, ids, a.weight_dtype)
     report: dict = {"test": _summary(result)}

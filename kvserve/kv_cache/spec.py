@@ -159,13 +159,16 @@ class KVCacheSpec:
         return sum(min(full, -(-(g.sliding_window - 1 + chunk) // bs) + 1) if g.sliding_window else full
                    for g in self.groups)
 
-    def check_fits(self, num_blocks: int, max_model_len: int, chunk_tokens: int | None = None) -> None:
-        """ConfigError unless ``num_blocks`` hold one request of ``max_model_len`` tokens (computed
-        ``chunk_tokens`` at a time, see :meth:`blocks_for_request`)."""
+    def check_fits(self, num_blocks: int, max_model_len: int, chunk_tokens: int | None = None,
+                   setting: str = "kv_cache_memory") -> None:
+        """ConfigError naming ``setting`` (what sized the pool: ``kv_cache_memory`` or ``num_kv_blocks``)
+        unless ``num_blocks`` hold one request of ``max_model_len`` tokens (computed ``chunk_tokens`` at a
+        time, see :meth:`blocks_for_request`)."""
         need = self.blocks_for_request(max_model_len, chunk_tokens)
         if num_blocks < need:
             raise ConfigError(
-                f"kv_cache_memory: {num_blocks} blocks of {self.block_size} tokens x {self.layers_per_block} layers "
+                f"{setting}: {num_blocks} block{'s' if num_blocks != 1 else ''} of {self.block_size} tokens x "
+                f"{self.layers_per_block} layers "
                 f"({num_blocks * self.bytes_per_block / 2**20:.1f} MiB) "
                 f"cannot hold one request of max_model_len={max_model_len} tokens; give at least "
                 f"{need} blocks ({need * self.bytes_per_block / 2**20:.1f} MiB) or lower max_model_len")

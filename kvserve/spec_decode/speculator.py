@@ -66,7 +66,11 @@ def load_draft(config: SpecDecodeConfig, target_vocab_size: int, dtype: torch.dt
     from kvserve.models.catalog import resolve_model
     from kvserve.models.loader import load_checkpoint
 
-    ckpt = load_checkpoint(resolve_model(config.draft_model, config.draft_load_format), seed=seed, progress=False)
+    try:
+        ckpt = load_checkpoint(resolve_model(config.draft_model, config.draft_load_format), seed=seed,
+                               progress=False)
+    except ConfigError as e:  # the loader's words ("model ...", "load_format ...") are about the draft here
+        raise ConfigError(f"draft_model: {e}") from None
     if ckpt.config.vocab_size != target_vocab_size:
         raise ConfigError(f"draft_model vocabulary ({ckpt.config.vocab_size}) differs from the target's "
                           f"({target_vocab_size}); they must share a tokenizer")
