@@ -827,12 +827,17 @@ def test_plan_sweep_carries_the_speculative_options(capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--chunk-tokens", "-5"], "--chunk-tokens must be >= 0, got -5"),  # was an IndexError
-    (["--tokenize-ms", "-3"], "--tokenize-ms must be a finite time >= 0, got -3.0"),  # took 3 ms off TTFT
+    (["--tokenize-ms", "-3"], "--tokenize-ms must be a time in [0, 1e+09] ms, got -3.0"),  # took 3 ms off TTFT
     (["--output-tokens", "-1"], "--output-tokens must be >= 0, got -1"),  # said ">= 1"
     (["--tp", "3"], "--tp 3 does not divide llama-3-70b's 64 attention heads"),
     (["--spec-acceptance", "1.5"], "--spec-acceptance is an acceptance rate in [0, 1], got 1.5"),
     (["--spec-acceptance", "nan"], "--spec-acceptance is an acceptance rate in [0, 1], got nan"),
-    (["--spec-acceptance", "0.5", "--spec-tokens", "-1"], "--spec-tokens must be >= 0, got -1"),
+    (["--spec-acceptance", "0.5", "--spec-tokens", "0"], "--spec-tokens must be in [1, 16], as the engine takes"),
+    (["--spec-acceptance", "0.5", "--spec-tokens", "40"], "--spec-tokens must be in [1, 16], as the engine takes"),
+    # costed step by step: a typo was a MemoryError, or minutes of work (second adversarial review)
+    (["--batch", "10000000000"], "batch must be <= 1,000,000, got 10,000,000,000"),
+    (["--prompt-tokens", "100000000", "--chunk-tokens", "1"], "more than 100,000; give a larger chunk"),
+    (["--tokenize-ms", "1e308", "--queue-ms", "1e308"], "--tokenize-ms must be a time in [0, 1e+09] ms"),
     (["--spec-acceptance", "0.5", "--draft-model", "nope"], "--draft-model: unknown model 'nope'"),
     # the engine refuses such a pair; the plan gave it a 1.36x speed-up
     (["--spec-acceptance", "0.5", "--draft-model", "smollm2-135m"],

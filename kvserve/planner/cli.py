@@ -97,10 +97,10 @@ def _resolve(a: argparse.Namespace):
                           "(the acceptance rate α, 0-1); give both or neither")
     if a.spec_acceptance is not None and not 0 <= a.spec_acceptance <= 1:
         raise ConfigError(f"--spec-acceptance is an acceptance rate in [0, 1], got {a.spec_acceptance}")
-    if a.spec_tokens < 0:
-        raise ConfigError(f"--spec-tokens must be >= 0, got {a.spec_tokens}")
+    if not 1 <= a.spec_tokens <= 16:  # the engine's --num-speculative-tokens range
+        raise ConfigError(f"--spec-tokens must be in [1, 16], as the engine takes, got {a.spec_tokens}")
     if local and a.tp not in (None, 1):
-        raise ConfigError(f"tp: --hardware local plans this one machine, which kvserve runs without tensor "
+        raise ConfigError(f"--hardware local plans this one machine, which kvserve runs without tensor "
                           f"parallelism; --tp must be 1, got {a.tp}")
     model = a.model or ("smollm2-135m" if local else "llama-3-70b")
     per_param, note = 0.0, ""
@@ -227,7 +227,8 @@ def _spec(a, shape, hw, eff, w, p) -> dict | None:
     if a.draft_model:  # on one GPU; it also prefills the prompt (into its own KV cache) before the first draft
         draft_shape = get_model(a.draft_model)
         draft = decode_step(draft_shape, hw, eff, replace(w, tp=1), ctx).time_s * 1e3
-        draft_prefill = sum(s.time_s for s in prefill_steps(draft_shape, hw, eff, replace(w, tp=1))) * 1e3
+        if w.output_tokens > 1:  # a draft runs only for the tokens after the first, which the prefill gives
+            draft_prefill = sum(s.time_s for s in prefill_steps(draft_shape, hw, eff, replace(w, tp=1))) * 1e3
     est = speculative_itl(p.itl_ms, verify, draft, a.spec_acceptance, g)
     # E2E as the plan's, with the draft's prefill added and the speculative mean ITL for the plain one
     e2e = p.ttft_ms + draft_prefill + max(w.output_tokens - 1, 0) * est.itl_ms + w.network_ms

@@ -19,6 +19,11 @@ ACTIVATION_BYTES = 2  # bf16 activations in TP all-reduces
 GPU_MEMORY_UTILIZATION = 0.9  # share of device memory for weights + KV (vLLM's default gpu_memory_utilization)
 
 
+MAX_BATCH = 1_000_000  # sequences: Workload.validate's bounds on what plan costs step by step
+MAX_PREFILL_STEPS = 100_000
+MAX_MEASURED_MS = 1e9  # ~11.6 days: larger measured times are typos (and their sums overflow to inf)
+
+
 @dataclass(frozen=True)
 class Workload:
     """What is asked: ``batch`` concurrent sequences of ``prompt_tokens`` in / ``output_tokens`` out on
@@ -50,8 +55,16 @@ class Workload:
             if getattr(self, f) < low:
                 raise ConfigError(f"{f} must be >= {low}, got {getattr(self, f)}")
         for f in ("tokenize_ms", "queue_ms", "network_ms"):  # measured times added to TTFT or E2E
-            if not math.isfinite(getattr(self, f)) or getattr(self, f) < 0:
-                raise ConfigError(f"{f} must be a finite time >= 0, got {getattr(self, f)}")
+            if not 0 <= getattr(self, f) <= MAX_MEASURED_MS:  # NaN fails too
+                raise ConfigError(f"{f} must be a time in [0, {MAX_MEASURED_MS:.0e}] ms, got {getattr(self, f)}")
+        # the steps are costed one by one (a context per sequence, a prefill chunk per step): bounded so a
+        # typo is an error, not minutes of work and gigabytes of lists
+        if self.batch > MAX_BATCH:
+            raise ConfigError(f"batch must be <= {MAX_BATCH:,}, got {self.batch:,}")
+        chunks = math.ceil(self.prompt_tokens / self.chunk_tokens) if self.chunk_tokens else 1
+        if chunks > MAX_PREFILL_STEPS:
+            raise ConfigError(f"chunk_tokens {self.chunk_tokens:,} cuts {self.prompt_tokens:,} prompt tokens into "
+                              f"{chunks:,} prefill steps, more than {MAX_PREFILL_STEPS:,}; give a larger chunk")
         dtype_bytes(self.weight_dtype), dtype_bytes(self.kv_dtype)
         return self
 
