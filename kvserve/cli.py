@@ -72,13 +72,14 @@ def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
 
 
 def _port(text: str) -> int:
-    """A TCP port, 0-65535 (0: any free one), checked before the model loads."""
+    """A TCP port, 1-65535, checked before the model loads (0, any free port, is refused: the banner and
+    the logs would say :0, not the port bound)."""
     try:
         port = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer port, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1-65535, got {port}")
     return port
 
 

@@ -70,7 +70,25 @@ def test_cli_errors_name_the_flags_not_the_settings():
     r = kvserve("generate", "hi", *TINY, "--speculative-method", "draft", "--draft-model", "/no/max_model_len.gguf")
     assert r.returncode == 2 and "--draft-model: GGUF file not found: '/no/max_model_len.gguf'" in r.stderr, r.stderr
     r = kvserve("serve", *TINY, "--port", "99999")  # refused before the model loads; it was a uvicorn traceback
-    assert r.returncode == 2 and "a port is 0-65535, got 99999" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "a port is 1-65535, got 99999" in r.stderr and "Traceback" not in r.stderr
+    # the pool named by the flag that sized it, in the memory check too (it said lower --kv-cache-memory)
+    r = kvserve("generate", "hi", *TINY, "--num-kv-blocks", "1000000000")
+    assert r.returncode == 2 and "--num-kv-blocks: 1000000000 blocks" in r.stderr and \
+        "lower --num-kv-blocks" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--port", "0"], "a port is 1-65535, got 0"),  # the banner said :0, not the port bound
+    (["eval", "ppl", "--context", "0"], "must be >= 2, got 0"),  # a ZeroDivisionError after the load
+    (["eval", "ppl", "--num-windows", "0"], "must be >= 1, got 0"),  # "fewer than one window", untrue
+    (["bench", "prefix", "--num-requests", "0"], "must be >= 1, got 0"),  # an IndexError
+])
+def test_sizes_refused_before_the_model_loads(argv, message, capsys):
+    from kvserve.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
 
 def test_chat_reads_stdin():
     r = kvserve("chat", *TINY, "--max-tokens", "5", "--ignore-eos", stdin="Hi\nAnd again\n\n")

@@ -192,7 +192,7 @@ def test_draft_model_must_fit_beside_the_target(monkeypatch):
     monkeypatch.setattr(memory, "physical_memory_bytes", lambda: total - 1)
     with pytest.raises(ConfigError, match=r"draft_model 'tiny-llama': its weights \(6\.4M parameters in float32: "
                                           r"24\.3 MiB\) and KV cache \(256\.0 MiB\) beside the target's .* "
-                                          r"more than this machine's .*; use a smaller draft_model"):
+                                          r"more than this machine.s .*; use a smaller draft model \(--draft-model\)"):
         tiny_llm(**kw)
     assert tiny_llm(num_kv_blocks=64).engine.speculator is None  # the target alone still fits
 
@@ -217,6 +217,30 @@ def test_a_draft_that_cannot_work_fails_before_the_target_is_built(monkeypatch):
     monkeypatch.setattr(llm_engine, "build_model", lambda *a, **k: built.append(a[0].name) or real(*a, **k))
     with pytest.raises(ConfigError, match=r"draft_model vocabulary \(128256\) differs from the target's \(49152\)"):
         tiny_llm(speculative_method="draft", draft_model="llama-3-8b", draft_load_format="dummy")
+    assert built == []
+
+
+def test_a_draft_without_weight_files_fails_before_the_target_is_built(tmp_path, monkeypatch):
+    """An HF directory draft with a config and a tokenizer but no *.safetensors file: the loader's check
+    ran at the first tensor, i.e. when the draft was built after the whole target (second adversarial
+    review), and the error did not say it was the draft's."""
+    import json
+
+    from kvserve.config import ConfigError
+    from kvserve.engine import llm_engine
+    from kvserve.models.loader import iter_safetensors_weights
+
+    tiny_llm().tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 96,
+         "num_hidden_layers": 1, "num_attention_heads": 4}))
+    with pytest.raises(ConfigError, match="no \\*.safetensors files in"):
+        iter_safetensors_weights(str(tmp_path))  # at the call, not at the first next()
+    built = []
+    real = llm_engine.build_model
+    monkeypatch.setattr(llm_engine, "build_model", lambda *a, **k: built.append(a[0].name) or real(*a, **k))
+    with pytest.raises(ConfigError, match=f"draft_model: no \\*.safetensors files in '{tmp_path}'"):
+        tiny_llm(speculative_method="draft", draft_model=str(tmp_path))
     assert built == []
 
 

@@ -73,7 +73,7 @@ def add_bench_parser(sub) -> None:
     add_engine_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
     pre = bsub.add_parser("prefix", help="TTFT of requests sharing a system prompt, prefix caching on vs off")
-    pre.add_argument("--num-requests", type=int, default=16)
+    pre.add_argument("--num-requests", type=_int_at_least(1), default=16)
     pre.add_argument("--system-tokens", type=int, default=1000)
     pre.add_argument("--question-tokens", type=int, default=24)
     pre.add_argument("--output-tokens", type=int, default=4)

@@ -162,10 +162,12 @@ class LLMEngine:
         need = num_blocks * self.kv_spec.bytes_per_block
         have = memory.physical_memory_bytes()  # the cache lives in host memory, beside the weights
         if need + self._weights_resident > have:
-            raise ConfigError(f"kv_cache_memory: {num_blocks} blocks x {self.kv_spec.bytes_per_block} B = "
+            name, flag = ("num_kv_blocks", "--num-kv-blocks") if c.num_blocks is not None else \
+                ("kv_cache_memory", "--kv-cache-memory")
+            raise ConfigError(f"{name}: {num_blocks} blocks x {self.kv_spec.bytes_per_block} B = "
                               f"{memory.format_size(need)} beside the weights' "
                               f"{memory.format_size(self._weights_resident)} exceeds this machine's memory "
-                              f"({memory.format_size(have)}); lower --kv-cache-memory")
+                              f"({memory.format_size(have)}); lower {flag}")
         return num_blocks
 
     @property

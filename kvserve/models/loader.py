@@ -155,14 +155,20 @@ def _hf_mla_moe(cfg: dict, model_type: str) -> dict:
 
 
 def iter_safetensors_weights(directory: str, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every ``*.safetensors`` file in ``directory`` (sorted), in the file's
-    native dtype and names as stored. Raises ConfigError if there is no .safetensors file."""
-    from safetensors import safe_open
-    from tqdm.auto import tqdm
-
+    """An iterator of (name, tensor) from every ``*.safetensors`` file in ``directory`` (sorted), in the
+    file's native dtype and names as stored. Raises ConfigError if there is no .safetensors file: here,
+    when called, not at the first tensor (a draft model's missing weights surfaced only after the target
+    was built)."""
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if not files:
         raise ConfigError(f"no *.safetensors files in {directory!r}")
+    return _iter_safetensors_files(directory, files, progress)
+
+
+def _iter_safetensors_files(directory: str, files: list[str], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
     for file in tqdm(files, desc=f"Loading {os.path.basename(directory)}", unit="file",
                      disable=not progress):
         with safe_open(file, framework="pt") as f:
@@ -275,7 +281,7 @@ def load_checkpoint(source: ModelSource, seed: int = 0, progress: bool = True,
         sources = lambda: gguf_quant_sources(reader, config)  # noqa: E731
     elif source.kind == "safetensors":
         config = read_hf_config(source.path).replace(name=source.name)
-        weights = iter_safetensors_weights(source.path, progress)
+        weights = None  # below: a missing tokenizer is named before missing weight files
     elif source.kind == "dummy":
         if source.dummy_config is None:
             raise ConfigError(f"dummy model {source.name!r} has no config")
@@ -283,5 +289,7 @@ def load_checkpoint(source: ModelSource, seed: int = 0, progress: bool = True,
     else:
         raise ConfigError(f"unknown model source kind {source.kind!r}")
     tok = load_tokenizer_from_path(tokenizer) if tokenizer else load_tokenizer(source)
+    if source.kind == "safetensors":
+        weights = iter_safetensors_weights(source.path, progress)
     return Checkpoint(config=config.validate(), weights=weights, tokenizer=tok, seed=seed,
                       quant_sources=sources)

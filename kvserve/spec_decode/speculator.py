@@ -93,10 +93,14 @@ def check_draft_memory(config: SpecDecodeConfig, draft_config, dtype: torch.dtyp
     kv = num_blocks * kv_spec.bytes_per_block
     have = memory.physical_memory_bytes()
     if resident_bytes + weights + kv > have:
-        if resident_bytes + kv > have:  # the draft's KV pool alone is over what is left: no smaller draft helps
-            advice = "lower kv_cache_memory (--kv-cache-memory) or use --dtype bfloat16"
+        halve = [] if dtype == torch.bfloat16 else ["use --dtype bfloat16"]
+        if not resident_bytes:  # the draft alone: only a smaller draft (or a narrower dtype) helps
+            advice = " or ".join(["use a smaller draft model (--draft-model)"] + halve)
+        elif resident_bytes + kv > have:  # the draft's KV pool alone is over what is left: no smaller draft helps
+            advice = " or ".join(["lower the target's KV cache (--kv-cache-memory or --num-kv-blocks)"] + halve)
         else:
-            advice = "use a smaller draft_model, lower kv_cache_memory (--kv-cache-memory) or use --dtype bfloat16"
+            advice = ", ".join(["use a smaller draft model (--draft-model)",
+                                "lower the target's KV cache (--kv-cache-memory or --num-kv-blocks)"] + halve)
         count, size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M", memory.format_size
         beside = f" beside the target's weights and KV cache ({size(resident_bytes)})" if resident_bytes else ""
         raise ConfigError(
