@@ -287,6 +287,6 @@ def test_kv_cache_must_fit_beside_the_weights(monkeypatch):
     monkeypatch.setattr(memory, "physical_memory_bytes", lambda: total)
     assert tiny_llm(num_kv_blocks=64).engine.num_kv_blocks == 64  # exactly enough
     monkeypatch.setattr(memory, "physical_memory_bytes", lambda: total - 1)
-    with pytest.raises(ConfigError, match=r"kv_cache_memory: 64 blocks x 8192 B = 0\.5 MiB beside the weights' "
+    with pytest.raises(ConfigError, match=r"num_kv_blocks: 64 blocks x 8192 B = 0\.5 MiB beside the weights' "
                                           r"24\.4 MiB exceeds this machine's memory"):
         tiny_llm(num_kv_blocks=64)
