@@ -113,7 +113,7 @@ def _resolve(a: argparse.Namespace):
     if a.tp is not None and a.tp >= 1 and shape.num_heads % a.tp:
         raise ConfigError(f"--tp {a.tp} does not divide {shape.name}'s {shape.num_heads} attention heads: tensor "
                           f"parallelism gives each GPU an equal share of them (vLLM requires it too)")
-    draft = _draft_shape(a)
+    a.draft_shape = draft = _draft_shape(a)  # resolved once: the fit, the GPU count and the estimate use it
     if draft is not None and draft.vocab_size != shape.vocab_size:
         raise ConfigError(f"draft model {draft.name}: its vocabulary ({draft.vocab_size}) differs from "
                           f"{shape.name}'s ({shape.vocab_size}); a draft must share the target's tokenizer")
@@ -140,7 +140,7 @@ def _resolve(a: argparse.Namespace):
         return shape, probe.hardware(), probe.efficiency(), w
     hw = get_hardware(a.hardware)
     if a.tp is None:
-        w = _fewest_gpus(shape, hw, w, _draft_shape(a))
+        w = _fewest_gpus(shape, hw, w, draft)
     return shape, hw, efficiency_for(hw), w
 
 
@@ -216,7 +216,6 @@ def _spec(a, shape, hw, eff, w, p) -> dict | None:
     from dataclasses import asdict, replace
 
     from kvserve.planner.cost import decode_step, prefill_steps, step_cost
-    from kvserve.planner.models import get_model
     from kvserve.planner.spec_decode import speculative_itl
 
     ctx = w.prompt_tokens + w.output_tokens / 2
@@ -225,7 +224,7 @@ def _spec(a, shape, hw, eff, w, p) -> dict | None:
                        w.batch * (g + 1) * shape.decode_attention_flops(int(ctx)), w.batch * (g + 1)).time_s * 1e3
     draft, draft_prefill = 0.0, 0.0
     if a.draft_model:  # on one GPU; it also prefills the prompt (into its own KV cache) before the first draft
-        draft_shape = get_model(a.draft_model)
+        draft_shape = a.draft_shape
         draft = decode_step(draft_shape, hw, eff, replace(w, tp=1), ctx).time_s * 1e3
         if w.output_tokens > 1:  # a draft runs only for the tokens after the first, which the prefill gives
             draft_prefill = sum(s.time_s for s in prefill_steps(draft_shape, hw, eff, replace(w, tp=1))) * 1e3
@@ -246,7 +245,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from kvserve.cli import check_writable
 
     shape, hw, eff, w = _resolve(a)
-    draft_shape = _draft_shape(a)
+    draft_shape = a.draft_shape
     if a.sweep and (a.plot or not a.json):
         check_writable("--plot", a.plot or f"plan-{shape.name}-{a.sweep}.png")
     if a.sweep:
