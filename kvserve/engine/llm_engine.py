@@ -102,7 +102,7 @@ class LLMEngine:
         self._weights_resident = memory.resident_bytes(self.model)  # as held: packed matrices packed
         num_blocks = self._resolve_num_blocks()
         self.kv_spec.check_fits(num_blocks, self.max_model_len, config.scheduler.max_num_batched_tokens,
-                                "num_kv_blocks" if config.cache.num_blocks is not None else "kv_cache_memory")
+                                self._pool_setting()[0])
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, self._prefix_caching(),
                                          group_windows=[g.sliding_window for g in self.kv_spec.groups])
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
@@ -153,6 +153,12 @@ class LLMEngine:
                               f"{str(self.dtype).removeprefix('torch.')} need {need / 2**30:.1f} GiB, more than this "
                               f"machine's {have / 2**30:.1f} GiB; try --dtype bfloat16 or a smaller model")
 
+    def _pool_setting(self) -> tuple[str, str]:
+        """The setting that sized the KV pool, and its flag, for the messages that say what to lower."""
+        if self.config.cache.num_blocks is not None:
+            return "num_kv_blocks", "--num-kv-blocks"
+        return "kv_cache_memory", "--kv-cache-memory"
+
     def _resolve_num_blocks(self) -> int:
         c = self.config.cache
         if c.num_blocks is not None:
@@ -162,8 +168,7 @@ class LLMEngine:
         need = num_blocks * self.kv_spec.bytes_per_block
         have = memory.physical_memory_bytes()  # the cache lives in host memory, beside the weights
         if need + self._weights_resident > have:
-            name, flag = ("num_kv_blocks", "--num-kv-blocks") if c.num_blocks is not None else \
-                ("kv_cache_memory", "--kv-cache-memory")
+            name, flag = self._pool_setting()
             raise ConfigError(f"{name}: {num_blocks} blocks x {self.kv_spec.bytes_per_block} B = "
                               f"{memory.format_size(need)} beside the weights' "
                               f"{memory.format_size(self._weights_resident)} exceeds this machine's memory "
