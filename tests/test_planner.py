@@ -734,10 +734,22 @@ def test_plan_without_tp_takes_the_fewest_gpus_that_hold_the_workload(capsys, tm
     assert got["workload"]["tp"] == 8 and not got["fits"] and "not even 8" in got["workload"]["tp_note"]
     # only sizes that divide the attention heads (an adversarial finding: Qwen2-7B's 28 heads on 8 GPUs)
     got = plan("--model", "qwen2-7b", "--batch", "570")
-    assert got["workload"]["tp"] == 4 and not got["fits"] and "divide the 28 attention heads" in got["workload"]["tp_note"]
+    assert got["workload"]["tp"] == 4 and not got["fits"] and "split its heads and MLP evenly" in got["workload"]["tp_note"]
     # a given --tp must divide them too, as vLLM requires (it was taken as given, the heads split unevenly)
     assert main(["plan", "--model", "qwen2-7b", "--tp", "8"]) == 2
     assert "--tp 8 does not divide qwen2-7b's 28 attention heads" in capsys.readouterr().err
+    # and the KV heads: 7 divides the 28 query heads, but 4 KV heads neither split over 7 ranks nor
+    # replicate onto them evenly (vLLM: tp % num_kv_heads == 0 when there are fewer; review finding)
+    assert main(["plan", "--model", "qwen2-7b", "--tp", "7"]) == 2
+    assert "--tp 7 is not a multiple of qwen2-7b's 4 KV heads" in capsys.readouterr().err
+    assert plan("--model", "llama-3-70b", "--tp", "16")["workload"]["tp"] == 16  # 8 KV heads, each on 2 ranks
+    # and the MLP width: 32 heads and 8 KV heads split over 8, an intermediate width of 11,004 does not
+    cfg = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11004,
+           "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 8}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--tp", "8"]) == 2
+    assert "MLP intermediate width (11,004)" in capsys.readouterr().err
+    assert plan("--model", str(tmp_path / "config.json"), "--batch", "100000")["workload"]["tp"] == 4  # 11,004 = 4 x 2,751
     got = plan("--model", "smollm2-135m", "--batch", "4000")  # 9 heads: 1 GPU only
     assert got["workload"]["tp"] == 1 and "not even 1 GPU (" in got["workload"]["tp_note"]
     assert main(["plan", "--tp", "0"]) == 2 and "tp must be >= 1, got 0" in capsys.readouterr().err

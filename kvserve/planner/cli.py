@@ -87,7 +87,7 @@ def add_planner_parsers(sub) -> None:
 
 def _resolve(a: argparse.Namespace):
     from kvserve.config import ConfigError
-    from kvserve.planner.cost import Workload
+    from kvserve.planner.cost import Workload, tp_split_error
     from kvserve.planner.hardware import efficiency_for, get_hardware
     from kvserve.planner.models import get_model
 
@@ -110,9 +110,9 @@ def _resolve(a: argparse.Namespace):
     a.kv_dtype = a.kv_dtype or ("fp32" if local else "bf16")  # local: the engine's float32 compute dtype
     a.model = model
     shape = get_model(a.model)
-    if a.tp is not None and a.tp >= 1 and shape.num_heads % a.tp:
-        raise ConfigError(f"--tp {a.tp} does not divide {shape.name}'s {shape.num_heads} attention heads: tensor "
-                          f"parallelism gives each GPU an equal share of them (vLLM requires it too)")
+    if a.tp is not None and a.tp >= 1 and (why := tp_split_error(shape, a.tp)):
+        raise ConfigError(f"--tp {a.tp} {why}: tensor parallelism gives each GPU an equal share of the heads "
+                          f"and the MLP (vLLM requires it too)")
     a.draft_shape = draft = _draft_shape(a)  # resolved once: the fit, the GPU count and the estimate use it
     if draft is not None and draft.vocab_size != shape.vocab_size:
         raise ConfigError(f"draft model {draft.name}: its vocabulary ({draft.vocab_size}) differs from "
@@ -167,11 +167,11 @@ def _fewest_gpus(shape, hw, w, draft=None):
     if none does."""
     from dataclasses import replace
 
-    from kvserve.planner.cost import GPU_MEMORY_UTILIZATION, capacity
+    from kvserve.planner.cost import GPU_MEMORY_UTILIZATION, capacity, tp_split_error
 
-    sizes = [tp for tp in AUTO_TP if shape.num_heads % tp == 0]
+    sizes = [tp for tp in AUTO_TP if tp_split_error(shape, tp) is None]
     heads = "" if sizes == list(AUTO_TP) else \
-        f" (of {', '.join(map(str, AUTO_TP))}, those that divide the {shape.num_heads} attention heads)"
+        f" (of {', '.join(map(str, AUTO_TP))}, those that split its heads and MLP evenly)"
     held = "the weights and this workload's KV cache" + (" (and the draft model's)" if draft is not None else "")
     for tp in sizes:
         if capacity(shape, hw, replace(w, tp=tp), draft).fits:

@@ -112,6 +112,25 @@ class StepCost:
         return max(t, key=t.get).removesuffix("_ms")
 
 
+def tp_split_error(shape: ModelShape, tp: int) -> str | None:
+    """Why ``tp`` GPUs cannot split ``shape`` by tensor parallelism, or None when they can: each rank
+    takes an equal share of the attention heads, of the KV heads (or, with fewer KV heads than ranks,
+    a whole replicated one: ``tp`` a multiple of them) and of the MLP's intermediate width (and each
+    expert's). These are vLLM's own checks (its Llama attention asserts the head rules, its column-
+    parallel linear layers divide their output width by the TP size). An MLA latent has no KV heads."""
+    if shape.num_heads % tp:
+        return f"does not divide {shape.name}'s {shape.num_heads} attention heads"
+    kv = shape.num_kv_heads
+    if shape.attention != "mla" and (kv % tp if kv >= tp else tp % kv):
+        how = "does not divide" if kv >= tp else "is not a multiple of"
+        return f"{how} {shape.name}'s {kv} KV heads"
+    for width, what in ((shape.intermediate_size, "MLP intermediate width"),
+                        (shape.moe_intermediate_size if shape.num_experts else 0, "experts' intermediate width")):
+        if width and width % tp:
+            return f"does not divide {shape.name}'s {what} ({width:,})"
+    return None
+
+
 def kv_shard_fraction(shape: ModelShape, tp: int) -> float:
     """Share of a sequence's KV one of ``tp`` GPUs holds: KV heads split across ranks (replicated
     when num_kv_heads < tp); an MLA latent has no heads to split, so every rank holds it all."""
