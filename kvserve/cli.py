@@ -155,8 +155,8 @@ def _window_note(spec) -> str:
 def cmd_generate(a: argparse.Namespace) -> int:
     from kvserve.metrics.report import format_anatomy
 
+    params = sampling_from_args(a)  # a bad sampling flag is named before the model loads, not after
     llm = build_llm(a)
-    params = sampling_from_args(a)
     has_template = getattr(llm.tokenizer, "chat_template", None) is not None
     chat = not a.raw and has_template
     if not a.raw and not has_template:
@@ -179,8 +179,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
-    llm = build_llm(a)
     params = sampling_from_args(a)
+    llm = build_llm(a)
     messages = [{"role": "system", "content": a.system}] if a.system else []
     print("kvserve chat — empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -281,6 +281,20 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
     return message
 
 
+def _param_and_message(e: Exception, flags: dict[str, str]) -> str:
+    """``[param]: message`` of an error with a ``param`` (InvalidRequestError), or ``: message``; with the
+    names a CLI user types. A message that starts with its own param gets the flag as its subject and
+    no bracket: the param names the subject, so even a one-word name (``temperature``) is the flag's
+    (``error [--temperature]: --temperature must ...`` said it twice)."""
+    message, param = str(e), getattr(e, "param", None)
+    if not param:
+        return f": {as_flags(message, flags)}"
+    flag = "--" + param.replace("_", "-")
+    if re.match(re.escape(param) + r"(?=[\s:(]|$)", message) and flags.get(param) == flag:
+        return f": {flag}{message[len(param):]}"
+    return f" [{flags.get(param, param)}]: {as_flags(message, flags)}"  # the param is a setting's whole name
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -290,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     except (ConfigError, InvalidRequestError) as e:
         flags = _flag_names(parser, args)
-        param = f" [{as_flags(e.param, flags)}]" if getattr(e, "param", None) else ""
-        print(f"kvserve: error{param}: {as_flags(str(e), flags)}", file=sys.stderr)
+        print(f"kvserve: error{_param_and_message(e, flags)}", file=sys.stderr)
         return 2
     except ProbeError as e:  # a rate this host cannot measure now (kvserve probe, explain --probe)
         print(f"kvserve: error: {e}", file=sys.stderr)

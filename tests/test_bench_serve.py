@@ -168,6 +168,13 @@ def test_cli_rejects_bad_slo_and_token_ids_on_chat(capsys):
     assert "NAME:MS" in capsys.readouterr().err
     rc = main(["bench", "serve", "--endpoint", "/v1/chat/completions", "--prompt-format", "token-ids"])
     assert rc == 2 and "token-ids" in capsys.readouterr().err
+    # the flags a user typed, not ServeBenchConfig's field names (they printed as num_prompts etc.)
+    for args, message in ((["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+                          (["--max-concurrency", "0"], "--max-concurrency must be >= 1, got 0"),
+                          (["--request-rate", "-2"], "--request-rate must be > 0 (or inf), got -2.0"),
+                          (["--timeout-s", "0"], "--timeout-s must be > 0 seconds, got 0.0")):  # was unchecked
+        assert main(["bench", "serve", "--url", "http://127.0.0.1:9", *args]) == 2, args
+        assert capsys.readouterr().err.strip() == f"kvserve: error: {message}"
 
 
 def test_stream_state_counts_tokens_from_usage_else_chunks():

@@ -33,6 +33,25 @@ def test_generate_bad_input_is_a_clear_error():
     assert r.returncode == 2 and "max_model_len=512" in r.stderr
 
 
+def test_sampling_flags_are_checked_before_the_model_loads(monkeypatch, capsys):
+    """A bad sampling flag was reported only after the model had loaded (~8 s for the bundled one), as
+    ``error [--temperature]: --temperature must ...``: now at once, the flag named once."""
+    import kvserve.cli as cli
+
+    def never(*_):
+        raise AssertionError("the model was built before the sampling flags were checked")
+
+    monkeypatch.setattr(cli, "build_llm", never)
+    for command in (["generate", "hi"], ["chat"]):
+        assert cli.main([*command, *TINY, "--temperature", "-1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("kvserve: error: --temperature must be in [0") and err.count("temperature") == 1, err
+    assert cli.main(["generate", "hi", *TINY, "--top-k", "-3"]) == 2
+    assert "error: --top-k must be -1 or 0 (off) or >= 1, got -3" in capsys.readouterr().err
+    assert cli.main(["generate", "hi", *TINY, "--stop-token-id", "-4"]) == 2  # a flag that does not spell it
+    assert "error [--stop-token-id]: stop_token_ids must be non-negative" in capsys.readouterr().err
+
+
 def test_cli_errors_name_the_flags_not_the_settings():
     """Errors are raised with the Python API's setting names; the CLI writes a message's subject as the
     flag a user types (a new-user trial met ``draft_model`` for ``--draft-model``). Only the subject:

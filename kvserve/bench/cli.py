@@ -164,8 +164,9 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     import os
     import sys
 
-    from kvserve.bench.serve import ServeBenchConfig, format_report, run_serve_bench, save_result
+    from kvserve.bench.serve import ServeBenchConfig, format_report, run_serve_bench, save_result, validate_config
     from kvserve.cli import check_writable
+    from kvserve.config import ConfigError
 
     if a.save_result:  # before the whole run, not after
         check_writable("--save-result", a.save_result)
@@ -174,6 +175,10 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
                            input_tokens=a.input_tokens, output_tokens=a.output_tokens, seed=a.seed,
                            prompt_format=a.prompt_format, goodput_ms=dict(a.goodput),
                            api_key=a.api_key or os.environ.get("OPENAI_API_KEY"), timeout_s=a.timeout_s)
+    try:  # as a ConfigError, so that the CLI names the flags (--num-prompts, not num_prompts)
+        validate_config(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         res = run_serve_bench(cfg)
     except ValueError as e:

@@ -302,6 +302,8 @@ def validate_config(cfg: ServeBenchConfig) -> None:
         raise ValueError(f"request_rate must be > 0 (or inf), got {cfg.request_rate}")
     if cfg.max_concurrency is not None and cfg.max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {cfg.max_concurrency}")
+    if not cfg.timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {cfg.timeout_s}")
     if not cfg.url.startswith(("http://", "https://")):
         raise ValueError(f"url must start with http:// or https://, got {cfg.url!r}")
 
