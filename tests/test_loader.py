@@ -388,6 +388,20 @@ def test_resolve_model_rules(tmp_path, tiny_gguf):
         resolve_model("tiny-llama", "pickle")
     with pytest.raises(ConfigError, match="not found"):
         resolve_model(str(tmp_path / "missing.gguf"))
+    # a preset with a file format: said "unknown model 'tiny-llama'" while listing tiny-llama
+    with pytest.raises(ConfigError, match="'tiny-llama' is a preset of random weights, which load_format 'gguf'"):
+        resolve_model("tiny-llama", "gguf")
+
+
+def test_catalog_names_as_the_planner_spells_them(monkeypatch):
+    """`kvserve plan` knew Gemma 3 as gemma-3-270m (Hugging Face's spelling), `generate` only as
+    gemma3-270m: each command now takes both."""
+    from kvserve.planner.models import get_model
+
+    monkeypatch.setattr(catalog, "catalog_path", lambda name: f"/bundled/{name}.gguf")
+    for name in ("gemma3-270m", "gemma-3-270m"):
+        assert resolve_model(name) == ModelSource("gguf", "/bundled/gemma3-270m.gguf", "gemma3-270m")
+    assert get_model("gemma3-270m").num_params() == get_model("gemma-3-270m").num_params()
 
 
 def test_resolve_model_unknown_lists_known_names():

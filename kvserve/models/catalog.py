@@ -43,6 +43,9 @@ CATALOG: dict[str, CatalogEntry] = {
     ),
 }
 
+# Other spellings of catalog names: `kvserve plan` and Hugging Face write Gemma 3 as "gemma-3-270m".
+CATALOG_ALIASES = {"gemma-3-270m": "gemma3-270m"}
+
 # Shapes from each model's Hugging Face config.json:
 #   llama-3-8b:     https://huggingface.co/meta-llama/Meta-Llama-3-8B-Instruct/blob/main/config.json
 #   llama-3-70b:    https://huggingface.co/meta-llama/Meta-Llama-3-70B-Instruct/blob/main/config.json
@@ -197,10 +200,14 @@ def _resolve_path(model: str) -> ModelSource | None:
 
 def _resolve_name(model: str, load_format: str) -> ModelSource:
     """ModelSource for a catalog or preset name; ConfigError listing the known names otherwise."""
+    model = CATALOG_ALIASES.get(model, model)
     if model in CATALOG:
         return ModelSource("gguf", catalog_path(model), model)
-    if model in DUMMY_PRESETS and load_format == "auto":
-        return ModelSource("dummy", None, model, DUMMY_PRESETS[model])
+    if model in DUMMY_PRESETS:
+        if load_format == "auto":
+            return ModelSource("dummy", None, model, DUMMY_PRESETS[model])
+        raise ConfigError(f"model {model!r} is a preset of random weights, which load_format {load_format!r} "
+                          f"cannot load; give load_format 'dummy' or 'auto', or a {load_format} path")
     if os.path.exists(model):
         raise ConfigError(f"{model!r} is neither a .gguf file nor a directory with config.json")
     raise ConfigError(f"unknown model {model!r}: give a .gguf path, an HF directory with "

@@ -48,7 +48,8 @@ MODELS: dict[str, ModelShape] = {
 
 # Names of the same shape (Llama 3.1 / 3.3 keep Llama 3's shape; the context limit differs).
 ALIASES = {"llama-3.1-8b": "llama-3-8b", "llama-3.1-70b": "llama-3-70b", "llama-3.3-70b": "llama-3-70b",
-           "mistral-7b-v0.3": "mistral-7b", "deepseek-r1": "deepseek-v3"}
+           "mistral-7b-v0.3": "mistral-7b", "deepseek-r1": "deepseek-v3",
+           "gemma3-270m": "gemma-3-270m"}  # the engine's catalog name of the bundled Gemma 3
 # an alias's own context length where it differs from its shape's (max_position_embeddings of
 # meta-llama/Llama-3.1-8B, Llama-3.1-70B and Llama-3.3-70B-Instruct config.json: 131072; Llama 3: 8192)
 ALIAS_CONTEXT = {"llama-3.1-8b": 131072, "llama-3.1-70b": 131072, "llama-3.3-70b": 131072}
