@@ -837,6 +837,17 @@ def test_plan_sweep_carries_the_speculative_options(capsys):
     assert "spec ITL" not in capsys.readouterr().out
 
 
+def test_plan_says_no_decode_step_runs_for_one_output_token_or_none(capsys):
+    """E2E = TTFT + (N - 1) x ITL: with N <= 1 no decode step runs, but the ITL line read as if one did."""
+    from kvserve.cli import main
+
+    for n, says in ((0, "none does for 0 output tokens)"), (1, "none does for 1 output token, which the prefill gives)"),
+                    (2, "(mean; ")):
+        assert main(["plan", "--output-tokens", str(n)]) == 0
+        itl = next(line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("ITL"))
+        assert says in itl, (n, itl)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--chunk-tokens", "-5"], "--chunk-tokens must be >= 0, got -5"),  # was an IndexError
     (["--tokenize-ms", "-3"], "--tokenize-ms must be a time in [0, 1e+09] ms, got -3.0"),  # took 3 ms off TTFT

@@ -90,7 +90,9 @@ def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
         f"  TTFT {p.ttft_ms:10.1f} ms   ({len(p.prefill)} prefill step(s), {pre_flops / 1e12:.1f} TFLOP per {dev}, "
         f"{p.prefill[-1].bound}-bound)",
         f"  ITL  {p.itl_ms:10.2f} ms   (mean; {p.decode_first.time_s * 1e3:.2f} at the first token, "
-        f"{p.decode_last.time_s * 1e3:.2f} at the last)",
+        f"{p.decode_last.time_s * 1e3:.2f} at the last)" if w.output_tokens > 1 else
+        f"  ITL  {p.itl_ms:10.2f} ms   (if a decode step ran: none does for "
+        + ("1 output token, which the prefill gives)" if w.output_tokens == 1 else "0 output tokens)"),
         f"  E2E  {p.e2e_ms:10.1f} ms   = TTFT + {max(w.output_tokens - 1, 0)} × ITL"
         + (f" + {w.network_ms:g} ms network" if w.network_ms else ""),
         f"  decode step at mean context {p.decode_mean.context_tokens / w.batch:,.0f} tokens, per {dev}:",
