@@ -33,6 +33,53 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def cgroup_memory_limit_bytes(root: str = "/sys/fs/cgroup") -> int | None:
+    """The memory limit of this process's control group in bytes, or None where it has none (or no cgroup
+    file is readable). cgroup v2: ``memory.max`` ("max" = none) of the group /proc/self/cgroup names
+    (``0::/path``); cgroup v1: ``memory/<path>/memory.limit_in_bytes``, where "none" is a value near
+    2**63. Inside a container the group's files are often at the root of ``root``, which is tried too.
+    Source: the Linux kernel's Documentation/admin-guide/cgroup-v2.rst and cgroup-v1/memory.rst."""
+    paths = {}
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    paths["v2"] = path
+                elif "memory" in controllers.split(","):
+                    paths["v1"] = path
+    except (OSError, ValueError):
+        pass
+    candidates = [os.path.join(root, paths["v2"].lstrip("/"), "memory.max")] if "v2" in paths else []
+    candidates.append(os.path.join(root, "memory.max"))
+    if "v1" in paths:
+        candidates.append(os.path.join(root, "memory", paths["v1"].lstrip("/"), "memory.limit_in_bytes"))
+    candidates.append(os.path.join(root, "memory", "memory.limit_in_bytes"))
+    for path in candidates:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            limit = int(text)
+        except ValueError:
+            continue
+        return limit if limit < 2**62 else None  # v1 writes "no limit" as 2**63 rounded down to a page
+    return None
+
+
+def memory_limit_bytes() -> int:
+    """The host memory the weights and KV caches must fit in: physical memory, or this process's cgroup
+    limit where that is lower (a container with a memory limit is killed at the limit, not at the
+    machine's size)."""
+    limit = cgroup_memory_limit_bytes()
+    have = physical_memory_bytes()
+    return have if limit is None else min(have, limit)
+
+
 def format_size(num_bytes: int) -> str:
     """Bytes for a message: GiB (2 decimals) from 1 GiB up, else MiB (1 decimal)."""
     return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"

@@ -290,3 +290,29 @@ def test_kv_cache_must_fit_beside_the_weights(monkeypatch):
     with pytest.raises(ConfigError, match=r"num_kv_blocks: 64 blocks x 8192 B = 0\.5 MiB beside the weights' "
                                           r"24\.4 MiB exceeds this machine's memory"):
         tiny_llm(num_kv_blocks=64)
+    # a container's memory limit below the machine's memory is what the kernel enforces: it counts
+    monkeypatch.setattr(memory, "physical_memory_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(memory, "cgroup_memory_limit_bytes", lambda: total - 1)
+    with pytest.raises(ConfigError, match="exceeds this machine's memory"):
+        tiny_llm(num_kv_blocks=64)
+    monkeypatch.setattr(memory, "cgroup_memory_limit_bytes", lambda: total)
+    assert tiny_llm(num_kv_blocks=64).engine.num_kv_blocks == 64
+
+
+@pytest.mark.parametrize("files, limit", [
+    ({"memory.max": "max\n"}, None),  # cgroup v2 without a limit
+    ({"memory.max": "1073741824\n"}, 1 << 30),
+    ({"memory/memory.limit_in_bytes": "9223372036854771712\n"}, None),  # v1: 2**63 to a page, no limit
+    ({"memory/memory.limit_in_bytes": "2147483648\n"}, 2 << 30),
+    ({}, None),  # no cgroup files at all
+])
+def test_cgroup_memory_limit_is_read_from_either_cgroup_version(tmp_path, monkeypatch, files, limit):
+    from kvserve import memory
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert memory.cgroup_memory_limit_bytes(str(tmp_path)) == limit
+    physical = memory.physical_memory_bytes()
+    monkeypatch.setattr(memory, "cgroup_memory_limit_bytes", lambda: limit)
+    assert memory.memory_limit_bytes() == (physical if limit is None else min(physical, limit))

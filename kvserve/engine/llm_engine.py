@@ -145,9 +145,10 @@ class LLMEngine:
 
     def _check_weights_fit(self, cfg: ModelConfig) -> None:
         """ConfigError (instead of the OOM killer) when the weights alone (parameters × the dtype's size,
-        as built before any packing) exceed physical memory."""
+        as built before any packing) exceed the memory this process may use (physical, or a lower cgroup
+        limit: :func:`kvserve.memory.memory_limit_bytes`)."""
         need = memory.nbytes(cfg.num_params(), self.dtype)
-        have = memory.physical_memory_bytes()
+        have = memory.memory_limit_bytes()
         if need > have:
             raise ConfigError(f"model {cfg.name}: {cfg.num_params() / 1e9:.1f}B parameters in "
                               f"{str(self.dtype).removeprefix('torch.')} need {need / 2**30:.1f} GiB, more than this "
@@ -166,7 +167,7 @@ class LLMEngine:
         else:
             num_blocks = max(1, self.kv_spec.num_blocks_for(c.kv_cache_memory_bytes or c.DEFAULT_MEMORY_BYTES))
         need = num_blocks * self.kv_spec.bytes_per_block
-        have = memory.physical_memory_bytes()  # the cache lives in host memory, beside the weights
+        have = memory.memory_limit_bytes()  # the cache lives in host memory, beside the weights
         if need + self._weights_resident > have:
             name, flag = self._pool_setting()
             raise ConfigError(f"{name}: {num_blocks} blocks x {self.kv_spec.bytes_per_block} B = "

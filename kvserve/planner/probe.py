@@ -269,7 +269,7 @@ def run_probe(dtypes: tuple[str, ...] = ("float32", "bfloat16"), dtype: str = "f
 
 def _total_memory_bytes() -> float:
     try:
-        return float(memory.physical_memory_bytes())
+        return float(memory.memory_limit_bytes())
     except (ValueError, OSError):  # sysconf names this OS lacks
         return 0.0
 

@@ -60,7 +60,7 @@ def load_draft(config: SpecDecodeConfig, target_vocab_size: int, dtype: torch.dt
     """The draft model's checkpoint (its weights still lazy), or None when the method needs none. Made
     before the target is built, so a draft that cannot work fails at once, not after a long load:
     ConfigError when its vocabulary differs from the target's, or when its weights and KV cache alone
-    exceed this machine's physical memory (:func:`check_draft_memory` with nothing else resident)."""
+    exceed the memory this process may use (:func:`check_draft_memory` with nothing else resident)."""
     if config.method != "draft":
         return None
     from kvserve.models.catalog import resolve_model
@@ -82,7 +82,7 @@ def check_draft_memory(config: SpecDecodeConfig, draft_config, dtype: torch.dtyp
     """The draft's KV pool in blocks. ConfigError when its weights (parameters × ``dtype``'s size,
     before any packing) and its KV cache (``draft_kv_cache_memory_bytes``, at least 16 blocks), with
     ``resident_bytes`` (what the target holds: its weights as built, packed ones packed, and its KV
-    cache; bytes), exceed this machine's physical memory."""
+    cache; bytes), exceed the memory this process may use (physical, or a lower cgroup limit)."""
     from kvserve import memory
     from kvserve.kv_cache.spec import KVCacheSpec
 
@@ -91,7 +91,7 @@ def check_draft_memory(config: SpecDecodeConfig, draft_config, dtype: torch.dtyp
     n = draft_config.num_params()
     weights = memory.nbytes(n, dtype)
     kv = num_blocks * kv_spec.bytes_per_block
-    have = memory.physical_memory_bytes()
+    have = memory.memory_limit_bytes()
     if resident_bytes + weights + kv > have:
         halve = [] if dtype == torch.bfloat16 else ["use --dtype bfloat16"]
         if not resident_bytes:  # the draft alone: only a smaller draft (or a narrower dtype) helps
