@@ -253,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Settings of LLM whose flag has another name (build_llm passes --threads as num_threads): their
+# messages are rewritten to that flag, though it does not spell the setting.
+_RENAMED_FLAGS = {"num_threads": "--threads"}
+
+
 def _flag_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
     """dest → its longest option string (``kv_cache_memory`` → ``--kv-cache-memory``) over the parser and
     the sub-commands this command line chose."""
@@ -264,6 +269,7 @@ def _flag_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
                 flags |= _flag_names(chosen, args)
         elif action.option_strings and action.dest != "help":
             flags[action.dest] = max(action.option_strings, key=len)
+    flags |= {name: flag for name, flag in _RENAMED_FLAGS.items() if flag in flags.values()}
     return flags
 
 
@@ -276,8 +282,9 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
     another model's settings (a draft's), and one-word names (``model``, ``seed``) English words or
     another flag's: those stay as raised."""
     m = re.match(r"[a-z]+(?:_[a-z0-9]+)+(?=[\s:(]|$)", message)
-    if m and flags.get(m.group()) == "--" + m.group().replace("_", "-"):
-        return flags[m.group()] + message[m.end():]
+    flag = flags.get(m.group()) if m else None
+    if flag is not None and flag in ("--" + m.group().replace("_", "-"), _RENAMED_FLAGS.get(m.group())):
+        return flag + message[m.end():]
     return message
 
 

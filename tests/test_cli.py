@@ -52,6 +52,25 @@ def test_sampling_flags_are_checked_before_the_model_loads(monkeypatch, capsys):
     assert "error [--stop-token-id]: stop_token_ids must be non-negative" in capsys.readouterr().err
 
 
+def test_bench_spec_runs_the_draft_model_it_is_given(monkeypatch):
+    """bench spec fills in the method when none is given: it chose ngram even beside --draft-model, and
+    the engine then refused 'speculative_method ngram', a value the user never typed."""
+    import kvserve.cli as cli
+
+    class Built(Exception):
+        pass
+
+    def build(a, *_, **__):
+        raise Built(a.speculative_method)
+
+    monkeypatch.setattr(cli, "build_llm", build)
+    for extra, method in (([], "ngram"), (["--draft-model", "tiny-llama"], "draft"),
+                          (["--speculative-method", "ngram"], "ngram")):
+        with pytest.raises(Built) as e:
+            cli.main(["bench", "spec", *TINY, *extra])
+        assert e.value.args == (method,), extra
+
+
 def test_cli_errors_name_the_flags_not_the_settings():
     """Errors are raised with the Python API's setting names; the CLI writes a message's subject as the
     flag a user types (a new-user trial met ``draft_model`` for ``--draft-model``). Only the subject:
@@ -69,6 +88,9 @@ def test_cli_errors_name_the_flags_not_the_settings():
         "--num-kv-blocks: 1 block of 16 tokens; lower max_model_len"
     assert as_flags("max_model_len (9) exceeds the model's context length", flags) == \
         "--max-model-len (9) exceeds the model's context length"
+    # a setting whose flag has another name: LLM(num_threads=...) is --threads
+    assert as_flags("num_threads must be >= 0 (0 = torch's default), got -1", {**flags, "num_threads": "--threads"}) \
+        == "--threads must be >= 0 (0 = torch's default), got -1"
     for kept in ("GGUF file not found: '/tmp/max_model_len/block_size.gguf'",  # a path
                  "unknown model 'draft_model': give a .gguf path",  # a quoted value
                  "model.num_heads (3) must be a multiple of model.num_kv_heads (2)",  # one word, then '.'

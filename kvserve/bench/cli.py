@@ -208,8 +208,8 @@ def cmd_bench_spec(a: argparse.Namespace) -> int:
     from kvserve.bench.spec import CHAT_PROMPTS, COPY_PROMPTS, format_spec, run_workload
     from kvserve.cli import build_llm
 
-    if a.speculative_method is None:
-        a.speculative_method = "ngram"
+    if a.speculative_method is None:  # bench spec picks the method: the draft model when one is given
+        a.speculative_method = "draft" if a.draft_model else "ngram"
     llm = build_llm(a)
     rows = [run_workload(llm, "copy", COPY_PROMPTS, a.output_tokens, a.num_speculative_tokens),
             run_workload(llm, "chat", CHAT_PROMPTS, a.output_tokens, a.num_speculative_tokens)]
