@@ -24,6 +24,20 @@ def test_generate_streams_then_prints_anatomy():
     assert "11 tokens x mean ITL" in r.stderr  # 12 tokens -> 11 inter-token gaps
 
 
+def test_anatomy_of_a_request_without_output_times_no_first_token():
+    """--max-tokens 0 finishes without a step; its anatomy said "TTFT 0.00 ms" and put tokenize and queue
+    under "finishing". Hand-made breakdown: 9.5 ms tokenize, 0.25 ms queue, 10 ms E2E."""
+    from kvserve.metrics.report import format_anatomy
+    from kvserve.outputs import LatencyBreakdown
+
+    lat = LatencyBreakdown(tokenize_ms=9.5, queue_ms=0.25, ttft_ms=0.0, itl_ms=[], tpot_ms=0.0, e2e_ms=10.0,
+                           detokenize_ms=0.0, prefill_ms=0.0, decode_ms=0.0, num_prompt_tokens=31,
+                           num_output_tokens=0)
+    text = format_anatomy(lat, [])
+    assert "TTFT" in text and "(no token)" in text and "0.00 ms" not in text.split("TTFT")[1].split("\n")[0]
+    assert "= tokenize + queue + 0.25 ms finishing" in text and "not run: 0 output tokens" in text
+
+
 def test_generate_bad_input_is_a_clear_error():
     r = kvserve("generate", "hi", *TINY, "--temperature", "-1")
     assert r.returncode == 2 and "temperature" in r.stderr and "Traceback" not in r.stderr

@@ -20,17 +20,28 @@ def format_anatomy(lat: LatencyBreakdown, steps: list[StepStats], header: str = 
     """The anatomy of one request: TTFT and its parts, N × ITL, E2E, and the bytes each decode step
     read (weights + KV growing with context) with achieved bandwidth. ``steps`` are the engine steps
     this request took part in."""
-    finishing = lat.e2e_ms - lat.ttft_ms - sum(lat.itl_ms)
+    n = lat.num_output_tokens
     lines = ["", "── latency anatomy " + "─" * 50]
     if header:
         lines.append(header)
     lines += [
         f"  tokenize     {lat.tokenize_ms:9.2f} ms",
         f"  queue        {lat.queue_ms:9.2f} ms",
+    ]
+    if n == 0:  # max_tokens 0: the request finishes without a step, so there is no first token to time
+        finishing = lat.e2e_ms - lat.tokenize_ms - lat.queue_ms
+        lines += [
+            f"  prefill      {'-':>9}      (not run: 0 output tokens asked for; {lat.num_prompt_tokens} prompt tokens)",
+            f"  TTFT         {'-':>9}      (no token)",
+            f"  E2E          {lat.e2e_ms:9.2f} ms   = tokenize + queue + {finishing:.2f} ms finishing",
+            "  output       0 tokens",
+        ]
+        return "\n".join(lines)
+    finishing = lat.e2e_ms - lat.ttft_ms - sum(lat.itl_ms)
+    lines += [
         f"  prefill      {lat.prefill_ms:9.2f} ms   ({lat.num_prompt_tokens} prompt tokens)",
         f"  TTFT         {lat.ttft_ms:9.2f} ms   (arrival -> first token: tokenize + queue + prefill)",
     ]
-    n = lat.num_output_tokens
     if n > 1:
         lines.append(f"  decode       {sum(lat.itl_ms):9.2f} ms   ({n - 1} tokens x mean ITL {lat.mean_itl_ms:.2f} ms;"
                      f" p50 {lat.percentile_itl_ms(50):.2f}, p90 {lat.percentile_itl_ms(90):.2f})")
