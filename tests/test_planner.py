@@ -887,3 +887,16 @@ def test_plan_says_when_no_gpu_count_can_hold_the_draft(capsys):
     assert d["fits"] is False
     assert d["speculative"]["acceptance_rate"] == 0.7 and d["speculative"]["num_speculative_tokens"] == 4
     assert d["speculative"]["draft_model"] == "llama-3.1-405b"
+
+
+def test_plan_notes_a_draft_whose_context_ends_before_the_request(capsys):
+    """Past its own context a draft proposes nothing (the engine's DraftModelProposer, vLLM's proposer),
+    so a speculative estimate over a longer request needs saying so. Llama-3-8B's context is 8,192."""
+    from kvserve.cli import main
+
+    base = ["plan", "--model", "llama-3.1-70b", "--draft-model", "llama-3-8b", "--spec-acceptance", "0.7",
+            "--output-tokens", "250"]
+    assert main([*base, "--prompt-tokens", "7942"]) == 0  # 8,192 in all: inside
+    assert "draft's context" not in capsys.readouterr().out
+    assert main([*base, "--prompt-tokens", "7943"]) == 0
+    assert "NOTE: the draft's context (8,192 tokens) ends before this request's 8,193" in capsys.readouterr().out

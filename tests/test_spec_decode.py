@@ -256,3 +256,34 @@ def test_resident_bytes_counts_each_storage_once():
     m = torch.nn.Sequential(a, b)
     m.register_buffer("codes", torch.zeros(3, dtype=torch.int8))
     assert memory.resident_bytes(m) == 10 * 4 * 4 + 2 * 10 * 4 + 3
+
+
+def test_a_draft_proposes_only_within_its_own_context(plain, tmp_path, monkeypatch):
+    """A draft whose context (max_position_embeddings 48) is shorter than the sequence ran on past it,
+    at positions it was never trained on; it now proposes up to its last position and then none, as
+    vLLM's proposer does, and the target decodes on alone. Greedy output stays the plain output."""
+    import json
+
+    from kvserve.spec_decode.draft import DraftModelProposer
+
+    cfg = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "max_position_embeddings": 48, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    reach = []  # (sequence length, proposals) of every proposal round
+    original = DraftModelProposer.propose
+
+    def spy(self, requests, ks):
+        out = original(self, requests, ks)
+        reach.extend((len(r.all_token_ids), len(p)) for r, p in zip(requests, out))
+        return out
+
+    monkeypatch.setattr(DraftModelProposer, "propose", spy)
+    llm = tiny_llm(speculative_method="draft", draft_model=str(tmp_path), draft_load_format="dummy",
+                   num_speculative_tokens=4)
+    got, _ = _run(llm, PROMPTS[1:2])
+    assert got == plain[1:2]
+    assert any(n + k <= 48 and k for n, k in reach)  # it proposed while inside its context
+    assert all(n + k <= 48 for n, k in reach if k), [r for r in reach if r[0] + r[1] > 48]
+    assert any(n >= 48 for n, _ in reach)  # the sequence went past it (128 tokens)

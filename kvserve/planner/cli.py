@@ -283,6 +283,11 @@ def cmd_plan(a: argparse.Namespace) -> int:
                  else "no --draft-model: drafting taken as free, as n-gram lookup nearly is")
         print(f"  speculative (α={a.spec_acceptance}, γ={a.spec_tokens}): {spec['tokens_per_step']:.2f} tokens/step, "
               f"ITL {spec['itl_ms']:.2f} ms, E2E {spec['e2e_ms']:.1f} ms, speed-up {spec['speedup']:.2f}× ({draft})")
+        total, limit = w.prompt_tokens + w.output_tokens, draft_shape.max_position_embeddings if draft_shape else 0
+        if draft_shape is not None and total > limit:
+            print(f"  NOTE: the draft's context ({limit:,} tokens) ends before this request's {total:,}: past it the "
+                  f"draft proposes nothing (kvserve and vLLM alike) and decoding runs at the plain ITL; the "
+                  f"speculative figures assume proposals throughout")
     return 0
 
 

@@ -29,8 +29,15 @@ class _DraftSeq:
 
 
 class DraftModelProposer:
-    def __init__(self, model: torch.nn.Module, kv_spec: KVCacheSpec, num_blocks: int, num_speculative_tokens: int):
+    """``max_model_len``: the draft's own context length (its ``max_position_embeddings``). A sequence
+    proposes only as many tokens as keep the draft's positions inside it, none beyond: past its context
+    a draft extrapolates positions it was never trained on (vLLM's Top1Proposer likewise gives such a
+    sequence no proposals). The target then decodes it one token per step."""
+
+    def __init__(self, model: torch.nn.Module, kv_spec: KVCacheSpec, num_blocks: int, num_speculative_tokens: int,
+                 max_model_len: int | None = None):
         self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
         self.runner = ModelRunner(model, kv_spec, num_blocks)
         # sliding groups free nothing here (allocate_slots gets no num_computed_tokens): a proposal
         # round rolls back to the target's verified length, which may reach before a freed window
@@ -40,9 +47,12 @@ class DraftModelProposer:
 
     def propose(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
         """Greedy proposals, ``ks[i]`` tokens for ``requests[i]`` (fewer or none if the draft's
-        KV pool is full)."""
+        KV pool is full, or where the draft's context ends: the last proposal's position is then the
+        draft's last, ``max_model_len`` - 1)."""
         active = []
         for req, k in zip(requests, ks):
+            if self.max_model_len is not None:  # proposals sit at positions len .. len + k - 1
+                k = max(0, min(k, self.max_model_len - len(req.all_token_ids)))
             seq = self._seqs.get(req.request_id)
             if seq is None:
                 seq = self._seqs[req.request_id] = _DraftSeq(Request(req.request_id, [], _GREEDY, 0, (), RequestTimeline()))

@@ -130,4 +130,5 @@ def build_speculator(config: SpecDecodeConfig, target_vocab_size: int, dtype: to
     kv_spec = KVCacheSpec.from_model(ckpt.config, dtype, 16)
     model = build_model(ckpt.config, dtype, ckpt.weights, seed=seed)
     memory.model_to_huge_pages(model)  # the draft's decode steps stream its weights too
-    return Speculator(config, DraftModelProposer(model, kv_spec, num_blocks, config.num_speculative_tokens))
+    return Speculator(config, DraftModelProposer(model, kv_spec, num_blocks, config.num_speculative_tokens,
+                                                 ckpt.config.max_position_embeddings))
