@@ -73,3 +73,19 @@ def test_cli_kv_cache_dtype_in_header_and_errors():
     assert "KV cache fp8_e4m3: 160 B/token (incl. float32 scales)" in r.stderr  # K,V x 2 layers x 2 heads x (16 + 4)
     r = kvserve("generate", "Hello", *TINY, "--kv-cache-dtype", "fp4")
     assert r.returncode == 2 and "--kv-cache-dtype" in r.stderr
+
+
+def test_cli_eval_ppl_kv_pool_error_names_context():
+    """eval ppl sets max_model_len to --context + 1, so a KV pool too small for it advised lowering a
+    max_model_len the user never gave. 64 KiB is 8 blocks of 16 tokens for tiny-llama in float32
+    (2 layers x K and V x 16 tokens x 2 heads x 16 dims x 4 B = 8 KiB a block); 1,025 tokens need 65."""
+    import contextlib
+    import io
+
+    from kvserve.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["eval", "ppl", *TINY, "--context", "1024", "--kv-cache-memory", "64KiB"]) == 2
+    assert "8 blocks" in err.getvalue() and "give at least 65 blocks" in err.getvalue()
+    assert err.getvalue().rstrip().endswith("(here max_model_len is --context + 1: lower --context)")

@@ -43,6 +43,8 @@ def cmd_eval_ppl(a: argparse.Namespace) -> int:
     except ConfigError as e:  # max_model_len is set from --context above: say which flag set it
         if a.max_model_len == a.context + 1 and str(e).startswith("max_model_len"):
             raise ConfigError(f"--context {a.context}: {e}") from None
+        if a.max_model_len == a.context + 1 and "max_model_len" in str(e):  # a KV pool sized for it
+            raise ConfigError(f"{e} (here max_model_len is --context + 1: lower --context)") from None
         raise
     ids = windows(llm.tokenizer.encode(corpus_text(), add_special_tokens=False), a.context, a.num_windows)
     result = perplexity(llm, a.kv_cache_dtype, ids, a.weight_dtype)
