@@ -777,7 +777,10 @@ def test_plan_without_tp_takes_the_fewest_gpus_that_hold_the_workload(capsys, tm
 def test_plan_counts_the_draft_models_memory(capsys):
     """A --draft-model's weights and KV cache share a GPU with the target's shard (it runs unsharded, as
     its step is timed); before, they were not counted and a 405B draft beside 70B "fit" on 2 H100s."""
+    from dataclasses import replace
+
     from kvserve.cli import main
+    from kvserve.planner.hardware import Hardware
     from kvserve.planner.models import get_model
 
     target, draft, h100 = get_model("llama-3-70b"), get_model("llama-3-8b"), HARDWARE["h100-sxm"]
@@ -792,6 +795,14 @@ def test_plan_counts_the_draft_models_memory(capsys):
     assert beside.weight_bytes == alone.weight_bytes and beside.kv_bytes == alone.kv_bytes
     # 70.6 GB of the target's weights per GPU + 16 GB of draft weights exceed 72 GB usable
     assert not beside.fits and beside.max_batch == 0
+    # kvserve on this machine (local) gives a draft a fixed KV pool of 256 MiB, whatever the batch
+    local = Hardware("cpu", "local", 1e12, 1e9, 1e9, 0, 1e9)
+    for batch in (1, 64):
+        c = capacity(target, local, replace(w, tp=1, batch=batch), draft)
+        assert c.draft_bytes == pytest.approx(2 * params + (256 << 20), rel=1e-12), batch
+    per_seq = target.kv_bytes_stored(8192, "bf16")
+    held = target.num_params() * 2 + 2 * params + (256 << 20)
+    assert capacity(target, local, replace(w, tp=1), draft).max_batch == int((0.9e12 - held) // per_seq)
     # --tp not given: the draft's memory moves the choice from 2 GPUs to 4
     assert main(["plan", "--prompt-tokens", "8000", "--output-tokens", "192"]) == 0
     assert "--tp not given: 2 GPUs" in capsys.readouterr().out

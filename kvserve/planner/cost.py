@@ -212,17 +212,24 @@ def capacity(shape: ModelShape, hw: Hardware, w: Workload, draft: ModelShape | N
     """``draft``: a speculative-decoding draft model, run unsharded on one of the ``tp`` GPUs (as
     :func:`kvserve.planner.cli` times it, vLLM's ``draft_tensor_parallel_size=1``) beside that GPU's
     shard of the target: its weights in ``weight_dtype`` and its own KV cache of every sequence in
-    ``kv_dtype``, both counted on that GPU, the fullest one."""
+    ``kv_dtype``, both counted on that GPU, the fullest one. On ``local`` hardware (kvserve on this
+    machine) the draft's KV is the engine's fixed pool, ``SpecDecodeConfig.draft_kv_cache_memory_bytes``,
+    whatever the batch."""
+    from kvserve.config import SpecDecodeConfig
+
     context = w.prompt_tokens + w.output_tokens
     weights = shape.num_params() * w.weight_bytes / w.tp
     per_seq = shape.kv_bytes_stored(context, w.kv_dtype) * kv_shard_fraction(shape, w.tp)
     draft_weights = draft.num_params() * dtype_bytes(w.weight_dtype) if draft is not None else 0.0
     draft_per_seq = draft.kv_bytes_stored(context, w.kv_dtype) if draft is not None else 0.0
+    draft_pool = 0.0
+    if draft is not None and hw.hardware_class == "local":
+        draft_pool, draft_per_seq = float(SpecDecodeConfig().draft_kv_cache_memory_bytes), 0.0
     budget = hw.memory_bytes * GPU_MEMORY_UTILIZATION
-    held, per_seq_held = weights + draft_weights, per_seq + draft_per_seq
+    held, per_seq_held = weights + draft_weights + draft_pool, per_seq + draft_per_seq
     max_batch = max(0, int((budget - held) // per_seq_held)) if per_seq_held else 0
     read_weights = shape.params_read_per_step(w.batch) * w.weight_bytes
-    draft_bytes = draft_weights + w.batch * draft_per_seq
+    draft_bytes = draft_weights + draft_pool + w.batch * draft_per_seq
     return Capacity(budget, weights, w.batch * per_seq, weights + w.batch * per_seq + draft_bytes <= budget, max_batch,
                     read_weights / shape.kv_bytes_per_token(w.kv_dtype), draft_bytes)
 
