@@ -321,8 +321,12 @@ def test_plan_on_local_says_device_not_gpu(tmp_path, monkeypatch, capsys):
     """`plan --hardware local` plans for this machine (a CPU here): its report speaks of the device,
     and a GPU table entry's report of the GPU."""
     from kvserve.cli import main
+    from kvserve.models import catalog
     from kvserve.planner import probe as pr
 
+    gemma = catalog.catalog_path("gemma3-270m")  # assembled once in the usual cache, not again in tmp_path
+    real_path = catalog.catalog_path
+    monkeypatch.setattr(catalog, "catalog_path", lambda name: gemma if name == "gemma3-270m" else real_path(name))
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     pr.save_probe(pr.ProbeResult(2, 8e9, {"float32": 20e9}, {"float32": 100e9}, {"float32": 10e9}, 1e-3, 2e-4))
     assert main(["plan", "--model", "smollm2-135m", "--hardware", "local"]) == 0
@@ -402,7 +406,9 @@ def test_plan_on_local_defaults_to_what_the_engine_runs(tmp_path, monkeypatch, c
         return w["weight_dtype"], w["kv_dtype"]
 
     assert dtypes("--hardware", "local", "--model", "smollm2-135m") == ("int4", "fp32")
-    assert dtypes("--hardware", "local", "--model", "gemma-3-270m") == ("fp32", "fp32")  # Q4_K_M: float32
+    # Gemma's Q4_K_M keeps its Q8_0 matrix packed, the rest float32 (Hugging Face's spelling names the
+    # bundled file too; one spelling only: gguf's reader takes ~20 s over its 262,144-token vocabulary)
+    assert dtypes("--hardware", "local", "--model", "gemma-3-270m") == ("int8", "fp32")
     assert dtypes("--hardware", "local", "--kv-dtype", "int8") == ("int4", "int8")
     assert dtypes("--hardware", "h200", "--model", "smollm2-135m") == ("bf16", "bf16")
 
@@ -857,6 +863,10 @@ def test_plan_says_no_decode_step_runs_for_one_output_token_or_none(capsys):
         assert main(["plan", "--output-tokens", str(n)]) == 0
         itl = next(line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("ITL"))
         assert says in itl, (n, itl)
+    # the speculative line too: it gave a 2.77x speed-up for a request that runs no decode step
+    assert main(["plan", "--output-tokens", "1", "--spec-acceptance", "0.7"]) == 0
+    out = capsys.readouterr().out
+    assert "no decode step runs for 1 output token, so nothing to speculate" in out and "speed-up" not in out
 
 
 @pytest.mark.parametrize("args, message", [
@@ -911,3 +921,18 @@ def test_plan_notes_a_draft_whose_context_ends_before_the_request(capsys):
     assert "draft's context" not in capsys.readouterr().out
     assert main([*base, "--prompt-tokens", "7943"]) == 0
     assert "NOTE: the draft's context (8,192 tokens) ends before this request's 8,193" in capsys.readouterr().out
+
+
+def test_tp_split_rules_for_moe_and_mla():
+    """vLLM's rules by hand: a MoE model without dense layers (Qwen3-MoE's layout) builds no dense MLP,
+    so its intermediate_size does not constrain tp (an adversarial finding); with a dense layer it does,
+    and the experts' width always does. MLA has no KV heads to split (DeepSeek-V3: 128 latent "heads")."""
+    from kvserve.planner.cost import tp_split_error
+    from kvserve.planner.shapes import ModelShape
+
+    moe = ModelShape("moe", 151936, 2048, 6001, 48, 32, 4, 128, num_experts=128, num_experts_per_tok=8,
+                     moe_intermediate_size=768)
+    assert tp_split_error(moe, 2) is None and tp_split_error(moe, 4) is None
+    assert "MLP intermediate width (6,001)" in tp_split_error(moe.replace(first_k_dense_replace=1), 2)
+    assert "experts' intermediate width (770)" in tp_split_error(moe.replace(moe_intermediate_size=770), 4)
+    assert tp_split_error(get_model("deepseek-v3"), 8) is None and tp_split_error(get_model("deepseek-v3"), 16) is None

@@ -34,8 +34,9 @@ def add_planner_parsers(sub) -> None:
     p.add_argument("--hardware", default="h100-sxm", help="a100-80gb-sxm, h100-sxm, h100-pcie, h200, b200, "
                    "mi300x, l40s, or local (after `kvserve probe`)")
     p.add_argument("--tp", type=int, default=None,
-                   help="tensor-parallel GPUs, a divisor of the attention heads (default: the fewest of 1, 2, 4, 8 "
-                   "that divide them and whose usable memory holds the weights and the workload's KV cache; 1 on "
+                   help="tensor-parallel GPUs: they must split the attention heads, the KV heads (or be a "
+                   "multiple of them) and the MLP width evenly, as vLLM requires (default: the fewest of 1, 2, 4, 8 "
+                   "that do and whose usable memory holds the weights and the workload's KV cache; 1 on "
                    "--hardware local)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="default 8192, or the longest prompt the model's context length leaves room for "
@@ -99,6 +100,9 @@ def _resolve(a: argparse.Namespace):
         raise ConfigError(f"--spec-acceptance is an acceptance rate in [0, 1], got {a.spec_acceptance}")
     if not 1 <= a.spec_tokens <= 16:  # the engine's --num-speculative-tokens range
         raise ConfigError(f"--spec-tokens must be in [1, 16], as the engine takes, got {a.spec_tokens}")
+    for flag, value in (("--tp", a.tp), ("--batch", a.batch)):  # named here: Workload says tp, batch
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
     if local and a.tp not in (None, 1):
         raise ConfigError(f"--hardware local plans this one machine, which kvserve runs without tensor "
                           f"parallelism; --tp must be 1, got {a.tp}")
@@ -277,7 +281,11 @@ def cmd_plan(a: argparse.Namespace) -> int:
         print(json.dumps(plan_dict(p, shape, hw, w) | ({"speculative": spec} if spec else {})))
         return 0
     print(format_plan(p, shape, hw, w))
-    if spec:
+    if spec and w.output_tokens <= 1:  # the prefill gives the only token: nothing to speculate on
+        print(f"  speculative (α={a.spec_acceptance}, γ={a.spec_tokens}): no decode step runs for "
+              f"{w.output_tokens} output token{'' if w.output_tokens == 1 else 's'}, so nothing to speculate; "
+              f"E2E {spec['e2e_ms']:.1f} ms as above")
+    elif spec:
         draft = (f"draft {a.draft_model}: {spec['draft_step_ms']:.2f} ms per step, its prefill "
                  f"{spec['draft_prefill_ms']:.1f} ms in the E2E" if a.draft_model
                  else "no --draft-model: drafting taken as free, as n-gram lookup nearly is")

@@ -84,6 +84,10 @@ def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
         f"kvserve plan — {shape.name} on {w.tp}× {hw.name}: weights {_weights(w)}, KV {w.kv_dtype}, "
         f"batch {w.batch}, {w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens",
         *([f"  {w.tp_note}"] if w.tp_note else []),
+        *([f"  NOTE: {w.tp} GPUs span more than one node of {GPUS_PER_NODE}: the all-reduce is timed at "
+           f"{hw.name}'s in-node link ({hw.interconnect_bytes_per_s / 1e9:,.0f} GB/s per GPU), faster than the "
+           f"network between nodes (vLLM's docs advise pipeline parallelism across nodes)"]
+          if w.tp > GPUS_PER_NODE and hw.hardware_class != "local" else []),
         *([f"  NOTE: {w.prompt_tokens + w.output_tokens:,} tokens exceed the model's context length "
            f"(max_position_embeddings {shape.max_position_embeddings:,}): the engine would reject this "
            f"request; figures extrapolated"] if not within_context(shape, w) else []),
@@ -127,11 +131,21 @@ def sweep(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, axis: s
     return [(x, plan(shape, hw, eff, replace(w, batch=x), draft)) for x in SWEEP_BATCHES]
 
 
+GPUS_PER_NODE = 8  # an HGX/DGX or MI300X platform: the GPUs one NVLink/xGMI domain joins
+
+
+def _bound_label(d: StepCost) -> str:
+    """One word for a sweep's bound column, as :func:`_bound_words` decides it: memory or compute, or
+    comm / overhead where the all-reduce or the fixed overhead is the largest term."""
+    return d.bound if d.dominant in ("weights", "kv", "compute") else d.dominant
+
+
 def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw: Hardware, w: Workload,
                  spec_itl_ms: list[float] | None = None, spec_note: str | None = None) -> str:
     """The sweep as a table under a title line that names the model, hardware, dtypes and what is held
     fixed. Columns: the prompt length (context) or batch, TTFT and ITL, the decode step's terms at the
-    mean context (weights, KV, compute, comm, overhead; ms), output tokens/s, what bounds the step, and
+    mean context (weights, KV, compute, comm, overhead; ms), output tokens/s, what bounds the step
+    (:func:`_bound_label`), and
     whether weights + KV fit the usable memory; with ``spec_itl_ms`` (one per row) a last column of the
     mean ITL with speculative decoding, which ``spec_note`` describes."""
     held = (f"batch {w.batch}, {w.output_tokens:,} output tokens" if axis == "context"
@@ -152,7 +166,8 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
         batch = p.decode_mean.num_tokens
         lines.append(f"{x:>8} {p.ttft_ms:>10.1f} {p.itl_ms:>8.2f} {t['weights_ms']:>8.2f} {t['kv_ms']:>8.2f} "
                      f"{t['compute_ms']:>8.2f} {t['comm_ms']:>6.2f} {t['overhead_ms']:>8.2f} "
-                     f"{batch * 1e3 / p.itl_ms:>9.1f} {p.decode_mean.bound:>8} {'yes' if p.capacity.fits else 'no':>5}"
+                     f"{batch * 1e3 / p.itl_ms:>9.1f} {_bound_label(p.decode_mean):>8} "
+                     f"{'yes' if p.capacity.fits else 'no':>5}"
                      + (f" {spec_itl_ms[i]:>9.2f}" if spec_itl_ms else ""))
     longest = replace(w, prompt_tokens=rows[-1][0]) if axis == "context" else w
     if not within_context(shape, longest):
