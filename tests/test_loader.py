@@ -399,8 +399,8 @@ def test_catalog_names_as_the_planner_spells_them(monkeypatch):
     from kvserve.planner.models import get_model
 
     monkeypatch.setattr(catalog, "catalog_path", lambda name: f"/bundled/{name}.gguf")
-    for name in ("gemma3-270m", "gemma-3-270m"):
-        assert resolve_model(name) == ModelSource("gguf", "/bundled/gemma3-270m.gguf", "gemma3-270m")
+    for name in ("gemma3-270m", "gemma-3-270m"):  # the name as given is the served model id
+        assert resolve_model(name) == ModelSource("gguf", "/bundled/gemma3-270m.gguf", name)
     assert get_model("gemma3-270m").num_params() == get_model("gemma-3-270m").num_params()
 
 

@@ -200,9 +200,9 @@ def _resolve_path(model: str) -> ModelSource | None:
 
 def _resolve_name(model: str, load_format: str) -> ModelSource:
     """ModelSource for a catalog or preset name; ConfigError listing the known names otherwise."""
-    model = CATALOG_ALIASES.get(model, model)
-    if model in CATALOG:
-        return ModelSource("gguf", catalog_path(model), model)
+    name = CATALOG_ALIASES.get(model, model)  # the source keeps the name as given: the served model id
+    if name in CATALOG:
+        return ModelSource("gguf", catalog_path(name), model)
     if model in DUMMY_PRESETS:
         if load_format == "auto":
             return ModelSource("dummy", None, model, DUMMY_PRESETS[model])
