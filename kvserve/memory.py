@@ -59,7 +59,7 @@ def cgroup_memory_limit_bytes(root: str = "/sys/fs/cgroup") -> int | None:
         try:
             with open(path) as f:
                 text = f.read().strip()
-        except OSError:
+        except (OSError, ValueError):  # unreadable, a directory, or not text
             continue
         if text == "max":
             return None
@@ -67,17 +67,24 @@ def cgroup_memory_limit_bytes(root: str = "/sys/fs/cgroup") -> int | None:
             limit = int(text)
         except ValueError:
             continue
-        return limit if limit < 2**62 else None  # v1 writes "no limit" as 2**63 rounded down to a page
+        return limit if 0 < limit < 2**62 else None  # v1 writes "no limit" as 2**63 rounded down to a page
     return None
 
 
-def memory_limit_bytes() -> int:
-    """The host memory the weights and KV caches must fit in: physical memory, or this process's cgroup
-    limit where that is lower (a container with a memory limit is killed at the limit, not at the
-    machine's size)."""
+def memory_limit() -> tuple[int, str]:
+    """(bytes, what they are) of the host memory the weights and KV caches must fit in: physical memory
+    ("this machine's memory"), or this process's cgroup limit where that is lower ("the cgroup memory
+    limit": a container with a memory limit is killed at the limit, not at the machine's size)."""
     limit = cgroup_memory_limit_bytes()
     have = physical_memory_bytes()
-    return have if limit is None else min(have, limit)
+    if limit is not None and limit < have:
+        return limit, "the cgroup memory limit"
+    return have, "this machine's memory"
+
+
+def memory_limit_bytes() -> int:
+    """The bytes of :func:`memory_limit`."""
+    return memory_limit()[0]
 
 
 def format_size(num_bytes: int) -> str:

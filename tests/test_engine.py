@@ -293,7 +293,7 @@ def test_kv_cache_must_fit_beside_the_weights(monkeypatch):
     # a container's memory limit below the machine's memory is what the kernel enforces: it counts
     monkeypatch.setattr(memory, "physical_memory_bytes", lambda: 64 << 30)
     monkeypatch.setattr(memory, "cgroup_memory_limit_bytes", lambda: total - 1)
-    with pytest.raises(ConfigError, match="exceeds this machine's memory"):
+    with pytest.raises(ConfigError, match=r"exceeds the cgroup memory limit \(24\.9 MiB\)"):
         tiny_llm(num_kv_blocks=64)
     monkeypatch.setattr(memory, "cgroup_memory_limit_bytes", lambda: total)
     assert tiny_llm(num_kv_blocks=64).engine.num_kv_blocks == 64
@@ -304,6 +304,8 @@ def test_kv_cache_must_fit_beside_the_weights(monkeypatch):
     ({"memory.max": "1073741824\n"}, 1 << 30),
     ({"memory/memory.limit_in_bytes": "9223372036854771712\n"}, None),  # v1: 2**63 to a page, no limit
     ({"memory/memory.limit_in_bytes": "2147483648\n"}, 2 << 30),
+    ({"memory.max": "0\n"}, None), ({"memory.max": "-1\n"}, None),  # not limits a kernel writes: ignored
+    ({"memory.max": b"\xff\xfe"}, None),  # not text
     ({}, None),  # no cgroup files at all
 ])
 def test_cgroup_memory_limit_is_read_from_either_cgroup_version(tmp_path, monkeypatch, files, limit):
@@ -311,7 +313,7 @@ def test_cgroup_memory_limit_is_read_from_either_cgroup_version(tmp_path, monkey
 
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+        (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
     assert memory.cgroup_memory_limit_bytes(str(tmp_path)) == limit
     physical = memory.physical_memory_bytes()
     monkeypatch.setattr(memory, "cgroup_memory_limit_bytes", lambda: limit)

@@ -287,3 +287,13 @@ def test_a_draft_proposes_only_within_its_own_context(plain, tmp_path, monkeypat
     assert any(n + k <= 48 and k for n, k in reach)  # it proposed while inside its context
     assert all(n + k <= 48 for n, k in reach if k), [r for r in reach if r[0] + r[1] > 48]
     assert any(n >= 48 for n, _ in reach)  # the sequence went past it (128 tokens)
+
+
+def test_a_drafts_load_errors_name_the_drafts_settings():
+    """The loader says load_format; for a draft that is draft_load_format (an adversarial review found
+    the draft's error pointing at the target's setting)."""
+    from kvserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^draft_model: model 'tiny-llama' is a preset of random weights, which "
+                                          r"draft_load_format 'gguf' cannot load; give draft_load_format 'dummy'"):
+        tiny_llm(speculative_method="draft", draft_model="tiny-llama", draft_load_format="gguf")

@@ -148,11 +148,11 @@ class LLMEngine:
         as built before any packing) exceed the memory this process may use (physical, or a lower cgroup
         limit: :func:`kvserve.memory.memory_limit_bytes`)."""
         need = memory.nbytes(cfg.num_params(), self.dtype)
-        have = memory.memory_limit_bytes()
+        have, what = memory.memory_limit()
         if need > have:
             raise ConfigError(f"model {cfg.name}: {cfg.num_params() / 1e9:.1f}B parameters in "
-                              f"{str(self.dtype).removeprefix('torch.')} need {need / 2**30:.1f} GiB, more than this "
-                              f"machine's {have / 2**30:.1f} GiB; try --dtype bfloat16 or a smaller model")
+                              f"{str(self.dtype).removeprefix('torch.')} need {need / 2**30:.1f} GiB, more than "
+                              f"{what} ({have / 2**30:.1f} GiB); try --dtype bfloat16 or a smaller model")
 
     def _pool_setting(self) -> tuple[str, str]:
         """The setting that sized the KV pool, and its flag, for the messages that say what to lower."""
@@ -167,12 +167,12 @@ class LLMEngine:
         else:
             num_blocks = max(1, self.kv_spec.num_blocks_for(c.kv_cache_memory_bytes or c.DEFAULT_MEMORY_BYTES))
         need = num_blocks * self.kv_spec.bytes_per_block
-        have = memory.memory_limit_bytes()  # the cache lives in host memory, beside the weights
+        have, what = memory.memory_limit()  # the cache lives in host memory, beside the weights
         if need + self._weights_resident > have:
             name, flag = self._pool_setting()
             raise ConfigError(f"{name}: {num_blocks} blocks x {self.kv_spec.bytes_per_block} B = "
                               f"{memory.format_size(need)} beside the weights' "
-                              f"{memory.format_size(self._weights_resident)} exceeds this machine's memory "
+                              f"{memory.format_size(self._weights_resident)} exceeds {what} "
                               f"({memory.format_size(have)}); lower {flag}")
         return num_blocks
 

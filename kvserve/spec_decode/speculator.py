@@ -7,6 +7,8 @@ logit_bias), no logprobs, no pending ``min_tokens``. It stops speculating after 
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 from kvserve.config import ConfigError, SpecDecodeConfig
@@ -56,6 +58,9 @@ class Speculator:
             self.proposer.free(request_id)
 
 
+_LOAD_FORMAT = re.compile(r"(?<![\w/.-])load_format(?![\w/.-])")  # the word, not in a path or longer name
+
+
 def load_draft(config: SpecDecodeConfig, target_vocab_size: int, dtype: torch.dtype, seed: int):
     """The draft model's checkpoint (its weights still lazy), or None when the method needs none. Made
     before the target is built, so a draft that cannot work fails at once, not after a long load:
@@ -70,7 +75,8 @@ def load_draft(config: SpecDecodeConfig, target_vocab_size: int, dtype: torch.dt
         ckpt = load_checkpoint(resolve_model(config.draft_model, config.draft_load_format), seed=seed,
                                progress=False)
     except ConfigError as e:  # the loader's words ("model ...", "load_format ...") are about the draft here
-        raise ConfigError(f"draft_model: {e}") from None
+        words = _LOAD_FORMAT.sub("draft_load_format", str(e))
+        raise ConfigError(f"draft_model: {words}") from None
     if ckpt.config.vocab_size != target_vocab_size:
         raise ConfigError(f"draft_model vocabulary ({ckpt.config.vocab_size}) differs from the target's "
                           f"({target_vocab_size}); they must share a tokenizer")
@@ -91,7 +97,7 @@ def check_draft_memory(config: SpecDecodeConfig, draft_config, dtype: torch.dtyp
     n = draft_config.num_params()
     weights = memory.nbytes(n, dtype)
     kv = num_blocks * kv_spec.bytes_per_block
-    have = memory.memory_limit_bytes()
+    have, what = memory.memory_limit()
     if resident_bytes + weights + kv > have:
         halve = [] if dtype == torch.bfloat16 else ["use --dtype bfloat16"]
         if not resident_bytes:  # the draft alone: only a smaller draft (or a narrower dtype) helps
@@ -106,7 +112,7 @@ def check_draft_memory(config: SpecDecodeConfig, draft_config, dtype: torch.dtyp
         raise ConfigError(
             f"draft_model {config.draft_model!r}: its weights ({count} parameters in "
             f"{str(dtype).removeprefix('torch.')}: {size(weights)}) and KV cache ({size(kv)}){beside} need "
-            f"{size(resident_bytes + weights + kv)}, more than this machine's {size(have)}; {advice}")
+            f"{size(resident_bytes + weights + kv)}, more than {what} ({size(have)}); {advice}")
     return num_blocks
 
 
