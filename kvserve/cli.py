@@ -290,15 +290,15 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
 
 def _param_and_message(e: Exception, flags: dict[str, str]) -> str:
     """``[param]: message`` of an error with a ``param`` (InvalidRequestError), or ``: message``; with the
-    names a CLI user types. A message that starts with its own param gets the flag as its subject and
-    no bracket: the param names the subject, so even a one-word name (``temperature``) is the flag's
+    names a CLI user types. A message that starts with its own param gets the param's flag as its
+    subject and no bracket: the param names the subject, so even a one-word name (``temperature``) or
+    a flag that spells it otherwise (``stop_token_ids``: ``--stop-token-id``) is right
     (``error [--temperature]: --temperature must ...`` said it twice)."""
     message, param = str(e), getattr(e, "param", None)
     if not param:
         return f": {as_flags(message, flags)}"
-    flag = "--" + param.replace("_", "-")
-    if re.match(re.escape(param) + r"(?=[\s:(]|$)", message) and flags.get(param) == flag:
-        return f": {flag}{message[len(param):]}"
+    if re.match(re.escape(param) + r"(?=[\s:(]|$)", message) and param in flags:  # even --stop-token-id
+        return f": {flags[param]}{message[len(param):]}"  # for stop_token_ids: the param names the subject
     return f" [{flags.get(param, param)}]: {as_flags(message, flags)}"  # the param is a setting's whole name
 
 

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+MAX_THREADS = 1024  # the most num_threads taken: above some thousands, torch.set_num_threads crashes the process
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range or inconsistent; the message names the field."""
 
@@ -386,8 +389,9 @@ class EngineConfig:
         if not -2**63 <= self.seed < 2**63:
             raise ConfigError(f"seed must be in [-2**63, 2**63), got {self.seed}")
         _require_int("num_threads", self.num_threads)
-        if self.num_threads < 0:
-            raise ConfigError(f"num_threads must be >= 0 (0 = torch's default), got {self.num_threads}")
+        if not 0 <= self.num_threads <= MAX_THREADS:  # torch.set_num_threads(100000) segfaults
+            raise ConfigError(f"num_threads must be in [0, {MAX_THREADS}] (0 = torch's default), "
+                              f"got {self.num_threads}")
         if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
             raise ConfigError(f"load_format must be auto|gguf|safetensors|dummy, got {self.load_format!r}")
         self.cache.validate()

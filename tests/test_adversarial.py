@@ -147,7 +147,8 @@ def test_tiny_temperature_is_greedy(tiny):
     (dict(kv_cache_memory=1.5), "kv_cache_memory"), (dict(kv_cache_memory=10**30), "kv_cache_memory"),
     (dict(num_kv_blocks=10**12), "num_kv_blocks: 1000000000000 blocks .*lower --num-kv-blocks"),
     (dict(seed="x"), "seed"), (dict(seed=2**70), "seed"),
-    (dict(num_threads=-1), "num_threads")])
+    (dict(num_threads=-1), "num_threads"),
+    (dict(num_threads=100_000), r"num_threads must be in \[0, 1024\]")])  # torch segfaulted on it
 def test_engine_settings_of_wrong_type_or_size(kw, field):
     with pytest.raises(ConfigError, match=field):
         tiny_llm(**kw)

@@ -162,6 +162,15 @@ def test_cli_prints_table_and_saves_json(fake_url, tmp_path, capsys):
     assert len(d["requests"]) == 4 and d["model"] == "fake-model"
 
 
+def test_cli_with_no_server_says_so_instead_of_a_table_of_zeros(capsys):
+    """Nothing listens on port 9 (discard) here: every request fails to connect; the table of zero
+    latencies that was printed before the error tally said nothing a user could act on."""
+    rc = main(["bench", "serve", "--url", "http://127.0.0.1:9", "--num-prompts", "3", "--model", "m"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "Mean TTFT" not in out
+    assert "none of the 3 requests to http://127.0.0.1:9 completed (3 x " in err and "is a server running" in err
+
+
 def test_cli_rejects_bad_slo_and_token_ids_on_chat(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--goodput", "ttft=500"])

@@ -63,7 +63,7 @@ def test_sampling_flags_are_checked_before_the_model_loads(monkeypatch, capsys):
     assert cli.main(["generate", "hi", *TINY, "--top-k", "-3"]) == 2
     assert "error: --top-k must be -1 or 0 (off) or >= 1, got -3" in capsys.readouterr().err
     assert cli.main(["generate", "hi", *TINY, "--stop-token-id", "-4"]) == 2  # a flag that does not spell it
-    assert "error [--stop-token-id]: stop_token_ids must be non-negative" in capsys.readouterr().err
+    assert "error: --stop-token-id must be non-negative integers, got -4" in capsys.readouterr().err
 
 
 def test_bench_spec_runs_the_draft_model_it_is_given(monkeypatch):

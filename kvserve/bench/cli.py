@@ -79,7 +79,8 @@ def add_bench_parser(sub) -> None:
     pre.add_argument("--output-tokens", type=int, default=4)
     add_engine_args(pre)
     pre.set_defaults(func=cmd_bench_prefix)
-    spec = bsub.add_parser("spec", help="batch-1 speed with and without n-gram speculation, copy-heavy and chat")
+    spec = bsub.add_parser("spec", help="batch-1 speed with and without speculation (n-gram, or --draft-model), "
+                                                "copy-heavy and chat")
     spec.add_argument("--output-tokens", type=_int_at_least(2), default=96)
     add_engine_args(spec)
     spec.set_defaults(func=cmd_bench_spec)
@@ -184,10 +185,15 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvserve: error: {e}", file=sys.stderr)
         return 2
-    print(format_report(res))
     if a.save_result:
         save_result(res, a.save_result)
-    return 0 if res.metrics.completed else 1
+    if not res.metrics.completed:  # a table of zeros says nothing: say why, as vLLM's failed test run does
+        why = "; ".join(f"{n} x {msg}" for msg, n in list(res.metrics.errors.items())[:3])
+        print(f"kvserve: error: none of the {cfg.num_prompts} requests to {cfg.url} completed ({why}); "
+              f"is a server running there?", file=sys.stderr)
+        return 1
+    print(format_report(res))
+    return 0
 
 
 def cmd_bench_prefix(a: argparse.Namespace) -> int:
@@ -213,5 +219,6 @@ def cmd_bench_spec(a: argparse.Namespace) -> int:
     llm = build_llm(a)
     rows = [run_workload(llm, "copy", COPY_PROMPTS, a.output_tokens, a.num_speculative_tokens),
             run_workload(llm, "chat", CHAT_PROMPTS, a.output_tokens, a.num_speculative_tokens)]
-    print(format_spec(rows, a.num_speculative_tokens))
+    method = f"draft model {a.draft_model}" if a.speculative_method == "draft" else "n-gram"
+    print(format_spec(rows, a.num_speculative_tokens, method))
     return 0

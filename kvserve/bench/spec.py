@@ -69,8 +69,9 @@ def run_workload(llm, name: str, prompts: list[str], max_tokens: int, k: int) ->
                    ratio, predicted)
 
 
-def format_spec(rows: list[SpecRow], k: int) -> str:
-    lines = [f"kvserve bench spec — n-gram speculation, k = {k}, batch 1, greedy",
+def format_spec(rows: list[SpecRow], k: int, method: str = "n-gram") -> str:
+    """The table; ``method`` names the speculation in the title ("n-gram", "draft model M")."""
+    lines = [f"kvserve bench spec — {method} speculation, k = {k}, batch 1, greedy",
              f"{'workload':>10} {'tok/s off':>10} {'tok/s on':>9} {'speed-up':>9} {'accept':>7} {'tok/step':>9} "
              f"{'verify/plain':>13} {'predicted':>10}"]
     for r in rows:
