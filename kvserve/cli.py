@@ -278,7 +278,8 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
     types: errors are raised with the Python API's names (``block_size must be ...``), the command line
     has ``--block-size``. Only a name of two or more words whose flag spells it (``max_model_len`` →
     ``--max-model-len``; not ``enable_prefix_caching``, whose flag is ``--no-prefix-caching``), followed
-    by a space, ``:``, ``(`` or the end. Names further on can be parts of paths, quoted values or
+    by a space, ``:``, ``(`` or the end; or a setting of ``_RENAMED_FLAGS`` (``num_threads`` →
+    ``--threads``). Names further on can be parts of paths, quoted values or
     another model's settings (a draft's), and one-word names (``model``, ``seed``) English words or
     another flag's: those stay as raised."""
     m = re.match(r"[a-z]+(?:_[a-z0-9]+)+(?=[\s:(]|$)", message)

@@ -79,8 +79,8 @@ def add_bench_parser(sub) -> None:
     pre.add_argument("--output-tokens", type=int, default=4)
     add_engine_args(pre)
     pre.set_defaults(func=cmd_bench_prefix)
-    spec = bsub.add_parser("spec", help="batch-1 speed with and without speculation (n-gram, or --draft-model), "
-                                                "copy-heavy and chat")
+    spec = bsub.add_parser("spec", help="batch-1 speed with and without speculation (n-gram, or "
+                                        "--draft-model), copy-heavy and chat")
     spec.add_argument("--output-tokens", type=_int_at_least(2), default=96)
     add_engine_args(spec)
     spec.set_defaults(func=cmd_bench_spec)

@@ -7,6 +7,8 @@ from kvserve.planner.cost import Plan, StepCost, Workload, plan
 from kvserve.planner.hardware import Efficiency, Hardware
 from kvserve.planner.shapes import ModelShape
 
+GPUS_PER_NODE = 8  # an HGX/DGX or MI300X platform: the GPUs one NVLink/xGMI domain joins
+
 
 def _gb(x: float) -> str:
     return f"{x / 1e9:,.2f} GB"
@@ -131,9 +133,6 @@ def sweep(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, axis: s
     return [(x, plan(shape, hw, eff, replace(w, batch=x), draft)) for x in SWEEP_BATCHES]
 
 
-GPUS_PER_NODE = 8  # an HGX/DGX or MI300X platform: the GPUs one NVLink/xGMI domain joins
-
-
 def _bound_label(d: StepCost) -> str:
     """One word for a sweep's bound column, as :func:`_bound_words` decides it: memory or compute, or
     comm / overhead where the all-reduce or the fixed overhead is the largest term."""
@@ -145,9 +144,8 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
     """The sweep as a table under a title line that names the model, hardware, dtypes and what is held
     fixed. Columns: the prompt length (context) or batch, TTFT and ITL, the decode step's terms at the
     mean context (weights, KV, compute, comm, overhead; ms), output tokens/s, what bounds the step
-    (:func:`_bound_label`), and
-    whether weights + KV fit the usable memory; with ``spec_itl_ms`` (one per row) a last column of the
-    mean ITL with speculative decoding, which ``spec_note`` describes."""
+    (:func:`_bound_label`), and whether weights + KV fit the usable memory; with ``spec_itl_ms`` (one per
+    row) a last column of the mean ITL with speculative decoding, which ``spec_note`` describes."""
     held = (f"batch {w.batch}, {w.output_tokens:,} output tokens" if axis == "context"
             else f"{w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens")
     lines = [f"kvserve plan --sweep {axis} — {shape.name} on {w.tp}× {hw.name}: weights {_weights(w)}, "
