@@ -938,7 +938,7 @@ def test_tp_split_rules_for_moe_and_mla():
     assert tp_split_error(get_model("deepseek-v3"), 8) is None and tp_split_error(get_model("deepseek-v3"), 16) is None
 
 
-def test_plan_notes_more_gpus_than_a_node_and_sweeps_name_the_terms_that_bound(capsys):
+def test_plan_notes_more_gpus_than_a_node_and_sweeps_name_the_terms_that_bound(capsys, tmp_path, monkeypatch):
     """Past 8 GPUs the all-reduce leaves the NVLink domain the plan times it in (new-user trial: 16
     H100s, 19 ms of all-reduce, no word). A sweep's bound column said memory where the single plan
     said the fixed overhead bounds the step: Gemma-3-270M's bf16 weights are 0.54 GB, 0.23 ms at the
@@ -948,6 +948,7 @@ def test_plan_notes_more_gpus_than_a_node_and_sweeps_name_the_terms_that_bound(c
     for tp, noted in ((8, False), (16, True)):
         assert main(["plan", "--tp", str(tp)]) == 0
         assert ("NOTE: 16 GPUs span more than one node of 8" in capsys.readouterr().out) is noted
+    monkeypatch.chdir(tmp_path)  # a sweep writes its PNG into the working directory
     assert main(["plan", "--model", "gemma-3-270m", "--sweep", "context"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
     assert rows and all(r[-2] == "overhead" for r in rows), rows
