@@ -321,12 +321,8 @@ def test_plan_on_local_says_device_not_gpu(tmp_path, monkeypatch, capsys):
     """`plan --hardware local` plans for this machine (a CPU here): its report speaks of the device,
     and a GPU table entry's report of the GPU."""
     from kvserve.cli import main
-    from kvserve.models import catalog
     from kvserve.planner import probe as pr
 
-    gemma = catalog.catalog_path("gemma3-270m")  # assembled once in the usual cache, not again in tmp_path
-    real_path = catalog.catalog_path
-    monkeypatch.setattr(catalog, "catalog_path", lambda name: gemma if name == "gemma3-270m" else real_path(name))
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     pr.save_probe(pr.ProbeResult(2, 8e9, {"float32": 20e9}, {"float32": 100e9}, {"float32": 10e9}, 1e-3, 2e-4))
     assert main(["plan", "--model", "smollm2-135m", "--hardware", "local"]) == 0
@@ -406,11 +402,25 @@ def test_plan_on_local_defaults_to_what_the_engine_runs(tmp_path, monkeypatch, c
         return w["weight_dtype"], w["kv_dtype"]
 
     assert dtypes("--hardware", "local", "--model", "smollm2-135m") == ("int4", "fp32")
-    # Gemma's Q4_K_M keeps its Q8_0 matrix packed, the rest float32 (Hugging Face's spelling names the
-    # bundled file too; one spelling only: gguf's reader takes ~20 s over its 262,144-token vocabulary)
-    assert dtypes("--hardware", "local", "--model", "gemma-3-270m") == ("int8", "fp32")
     assert dtypes("--hardware", "local", "--kv-dtype", "int8") == ("int4", "int8")
     assert dtypes("--hardware", "h200", "--model", "smollm2-135m") == ("bf16", "bf16")
+
+
+def test_plan_on_local_reads_the_bundled_gemma_by_either_name(monkeypatch):
+    """`plan --hardware local --model gemma-3-270m` (Hugging Face's spelling) planned float32 because the
+    engine's catalog knew only gemma3-270m; both now read the bundled GGUF's matrix types. The file's
+    reading is stubbed: gguf's reader takes ~20 s over Gemma's 262,144-token vocabulary."""
+    from kvserve.models import catalog
+    from kvserve.planner import cli as plan_cli
+    from kvserve.planner import models
+
+    read = []
+    monkeypatch.setattr(catalog, "catalog_path", lambda name: f"/bundled/{name}.gguf")
+    monkeypatch.setattr(models, "gguf_auto_weights",
+                        lambda path, float_bytes: read.append(path) or ("int8", 2.12, "1 int8, 72 float"))
+    for name in ("gemma-3-270m", "gemma3-270m"):
+        assert plan_cli._engine_weights(name) == ("int8", 2.12, "GGUF as kept: 1 int8, 72 float")
+    assert read == ["/bundled/gemma3-270m.gguf"] * 2
 
 
 def test_plan_flags_a_request_past_the_context_length(capsys):
