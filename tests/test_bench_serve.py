@@ -45,6 +45,8 @@ def fake_app() -> FastAPI:
 
     async def handle(request: Request, chat: bool):
         body = await request.json()
+        if body.get("model") == "missing":  # as a server answers a model it does not serve
+            return JSONResponse({"error": {"message": "no such model"}}, status_code=404)
         if body.get("model") == "flaky":
             calls["flaky"] += 1
             if calls["flaky"] % 2 == 0:
@@ -169,6 +171,13 @@ def test_cli_with_no_server_says_so_instead_of_a_table_of_zeros(capsys):
     out, err = capsys.readouterr()
     assert rc == 1 and "Mean TTFT" not in out
     assert "none of the 3 requests to http://127.0.0.1:9 completed (3 x " in err and "is a server running" in err
+
+
+def test_cli_with_every_request_refused_names_the_reply_not_a_missing_server(fake_url, capsys):
+    """A server that answered (HTTP 404 for an unknown model) is not asked about (second review)."""
+    rc = main(["bench", "serve", "--url", fake_url, "--num-prompts", "2", "--model", "missing"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "none of the 2 requests" in err and "404" in err and "is a server running" not in err
 
 
 def test_cli_rejects_bad_slo_and_token_ids_on_chat(capsys):

@@ -622,7 +622,7 @@ def test_measure_kv_read_checks_contexts_and_covers_every_token(monkeypatch):
         probe.measure_kv_read(torch.float32, num_layers=1, num_heads=8, contexts=(16, 32))
     with pytest.raises(ValueError, match="num_layers"):
         probe.measure_kv_read(torch.float32, num_layers=0, contexts=(16, 32))
-    with pytest.raises(ValueError, match="GiB of KV cache, over half this machine"):
+    with pytest.raises(ValueError, match="GiB of KV cache, over half of this machine"):
         probe.measure_kv_read(torch.float32, contexts=(16, 10 ** 8))  # 4.6 TB of caches
 
     times = iter([0.004, 0.010])
@@ -877,6 +877,10 @@ def test_plan_says_no_decode_step_runs_for_one_output_token_or_none(capsys):
     assert main(["plan", "--output-tokens", "1", "--spec-acceptance", "0.7"]) == 0
     out = capsys.readouterr().out
     assert "no decode step runs for 1 output token, so nothing to speculate" in out and "speed-up" not in out
+    assert main(["plan", "--output-tokens", "1", "--spec-acceptance", "0.7", "--json"]) == 0  # and its JSON
+    d = json.loads(capsys.readouterr().out)
+    assert d["speculative"]["speedup"] == 1.0 and d["speculative"]["itl_ms"] == d["itl_ms"]
+    assert d["speculative"]["decode_steps"] is False
 
 
 @pytest.mark.parametrize("args, message", [
@@ -962,3 +966,16 @@ def test_plan_notes_more_gpus_than_a_node_and_sweeps_name_the_terms_that_bound(c
     assert main(["plan", "--model", "gemma-3-270m", "--sweep", "context"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
     assert rows and all(r[-2] == "overhead" for r in rows), rows
+    # weights and KV count together (second review: batch 16 of Llama-3-8B on 4 H100s read 1.60 ms of
+    # weights and 1.80 of KV, 3.40 ms of memory over 2 ms of overhead, and the column said overhead)
+    assert main(["plan", "--model", "llama-3-8b", "--tp", "4", "--sweep", "batch"]) == 0
+    out = capsys.readouterr().out
+    rows = {int(r[0]): r for r in (line.split() for line in out.splitlines() if line.strip()[:1].isdigit())}
+    for batch in (1, 16):
+        weights, kv, overhead = float(rows[batch][3]), float(rows[batch][4]), float(rows[batch][7])
+        assert rows[batch][-2] == ("memory" if weights + kv > overhead else "overhead"), rows[batch]
+    assert rows[1][-2] == "overhead" and rows[16][-2] == "memory"
+    assert main(["plan", "--model", "llama-3-8b", "--tp", "4", "--batch", "16"]) == 0
+    assert "memory-bound (weights + KV together; largest single term: overhead)" in capsys.readouterr().out
+    assert main(["plan", "--tp", "16", "--sweep", "batch"]) == 0  # the sweep has the node NOTE too
+    assert "NOTE: 16 GPUs span more than one node of 8" in capsys.readouterr().out

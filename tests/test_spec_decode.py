@@ -297,3 +297,5 @@ def test_a_drafts_load_errors_name_the_drafts_settings():
     with pytest.raises(ConfigError, match=r"^draft_model: model 'tiny-llama' is a preset of random weights, which "
                                           r"draft_load_format 'gguf' cannot load; give draft_load_format 'dummy'"):
         tiny_llm(speculative_method="draft", draft_model="tiny-llama", draft_load_format="gguf")
+    with pytest.raises(ConfigError, match=r"unknown model 'load_format'"):  # a quoted name stays as typed
+        tiny_llm(speculative_method="draft", draft_model="load_format")

@@ -189,8 +189,9 @@ def cmd_bench_serve(a: argparse.Namespace) -> int:
         save_result(res, a.save_result)
     if not res.metrics.completed:  # a table of zeros says nothing: say why, as vLLM's failed test run does
         why = "; ".join(f"{n} x {msg}" for msg, n in list(res.metrics.errors.items())[:3])
-        print(f"kvserve: error: none of the {cfg.num_prompts} requests to {cfg.url} completed ({why}); "
-              f"is a server running there?", file=sys.stderr)
+        unreached = all(msg.startswith(("ConnectError", "ConnectTimeout")) for msg in res.metrics.errors)
+        print(f"kvserve: error: none of the {cfg.num_prompts} requests to {cfg.url} completed ({why})"
+              + ("; is a server running there?" if unreached else ""), file=sys.stderr)
         return 1
     print(format_report(res))
     return 0

@@ -220,7 +220,7 @@ def _spec(a, shape, hw, eff, w, p) -> dict | None:
     from dataclasses import asdict, replace
 
     from kvserve.planner.cost import decode_step, prefill_steps, step_cost
-    from kvserve.planner.spec_decode import speculative_itl
+    from kvserve.planner.spec_decode import SpecDecodeEstimate, speculative_itl
 
     ctx = w.prompt_tokens + w.output_tokens / 2
     g = a.spec_tokens
@@ -233,11 +233,13 @@ def _spec(a, shape, hw, eff, w, p) -> dict | None:
         if w.output_tokens > 1:  # a draft runs only for the tokens after the first, which the prefill gives
             draft_prefill = sum(s.time_s for s in prefill_steps(draft_shape, hw, eff, replace(w, tp=1))) * 1e3
     est = speculative_itl(p.itl_ms, verify, draft, a.spec_acceptance, g)
+    if w.output_tokens <= 1:  # no decode step runs: nothing to speculate on, no speed-up
+        est = SpecDecodeEstimate(1.0, p.itl_ms, p.itl_ms, 1.0)
     # E2E as the plan's, with the draft's prefill added and the speculative mean ITL for the plain one
     e2e = p.ttft_ms + draft_prefill + max(w.output_tokens - 1, 0) * est.itl_ms + w.network_ms
     return {"acceptance_rate": a.spec_acceptance, "num_speculative_tokens": g, "draft_model": a.draft_model} \
         | asdict(est) | {"draft_step_ms": draft, "draft_prefill_ms": draft_prefill, "verify_step_ms": verify,
-                         "e2e_ms": e2e}
+                         "e2e_ms": e2e, "decode_steps": w.output_tokens > 1}
 
 
 def cmd_plan(a: argparse.Namespace) -> int:

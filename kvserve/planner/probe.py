@@ -202,7 +202,7 @@ def measure_kv_read(dtype: torch.dtype, num_layers: int = 30, num_kv_heads: int 
     cache_bytes, memory_bytes = 2 * num_layers * nb * bs * num_kv_heads * head_dim * elem, _total_memory_bytes()
     if memory_bytes and cache_bytes > memory_bytes / 2:
         raise ValueError(f"contexts[1]={contexts[1]} with {num_layers} layers needs {cache_bytes / 2**30:.1f} GiB "
-                         f"of KV cache, over half this machine's {memory_bytes / 2**30:.1f} GiB")
+                         f"of KV cache, over half of {memory.memory_limit()[1]} ({memory_bytes / 2**30:.1f} GiB)")
     flat = _random_in_huge_pages([(nb, bs, num_kv_heads, head_dim)] * (2 * num_layers), dtype)  # as the engine's
     caches = list(zip(flat[0::2], flat[1::2]))
     q = torch.randn(1, num_heads, head_dim).to(dtype)

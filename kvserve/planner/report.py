@@ -63,13 +63,15 @@ def _term_rows(d: StepCost) -> list[str]:
 
 
 def _bound_words(d: StepCost) -> str:
-    """What limits the step: memory or compute (whichever of the two overlapped parts is longer) when
-    that part is also the largest term; else the largest term (the all-reduce or the fixed overhead,
-    which add to it), with the overlapped part's bound beside it."""
-    if d.dominant in ("weights", "kv", "compute"):
-        return f"{d.bound}-bound; largest term: {d.dominant}"
-    name = {"comm": "all-reduce", "overhead": "fixed overhead"}[d.dominant]
-    return f"{name}-bound (largest term: {d.dominant}; of memory vs compute: {d.bound})"
+    """What limits the step (``StepCost.limiter``): memory or compute (whichever of the two overlapped
+    parts is longer, weights and KV together), or the all-reduce or the fixed overhead where that part
+    outweighs them, with the overlapped part's bound beside it; and the largest single term."""
+    if d.limiter in ("memory", "compute"):
+        if d.dominant in ("weights", "kv", "compute"):
+            return f"{d.bound}-bound; largest term: {d.dominant}"
+        return f"{d.bound}-bound (weights + KV together; largest single term: {d.dominant})"
+    name = {"comm": "all-reduce", "overhead": "fixed overhead"}[d.limiter]
+    return f"{name}-bound (largest term: {d.limiter}; of memory vs compute: {d.bound})"
 
 
 def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
@@ -86,10 +88,7 @@ def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
         f"kvserve plan — {shape.name} on {w.tp}× {hw.name}: weights {_weights(w)}, KV {w.kv_dtype}, "
         f"batch {w.batch}, {w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens",
         *([f"  {w.tp_note}"] if w.tp_note else []),
-        *([f"  NOTE: {w.tp} GPUs span more than one node of {GPUS_PER_NODE}: the all-reduce is timed at "
-           f"{hw.name}'s in-node link ({hw.interconnect_bytes_per_s / 1e9:,.0f} GB/s per GPU), faster than the "
-           f"network between nodes (vLLM's docs advise pipeline parallelism across nodes)"]
-          if w.tp > GPUS_PER_NODE and hw.hardware_class != "local" else []),
+        *_multi_node_note(w, hw),
         *([f"  NOTE: {w.prompt_tokens + w.output_tokens:,} tokens exceed the model's context length "
            f"(max_position_embeddings {shape.max_position_embeddings:,}): the engine would reject this "
            f"request; figures extrapolated"] if not within_context(shape, w) else []),
@@ -133,10 +132,19 @@ def sweep(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, axis: s
     return [(x, plan(shape, hw, eff, replace(w, batch=x), draft)) for x in SWEEP_BATCHES]
 
 
+def _multi_node_note(w: Workload, hw: Hardware) -> list[str]:
+    """A NOTE line for more GPUs than one node holds, or none."""
+    if w.tp <= GPUS_PER_NODE or hw.hardware_class == "local":
+        return []
+    return [f"  NOTE: {w.tp} GPUs span more than one node of {GPUS_PER_NODE}: the all-reduce is timed at "
+            f"{hw.name}'s in-node link ({hw.interconnect_bytes_per_s / 1e9:,.0f} GB/s per GPU), but across nodes "
+            f"it runs over the network (vLLM's docs advise pipeline parallelism across nodes)"]
+
+
 def _bound_label(d: StepCost) -> str:
-    """One word for a sweep's bound column, as :func:`_bound_words` decides it: memory or compute, or
-    comm / overhead where the all-reduce or the fixed overhead is the largest term."""
-    return d.bound if d.dominant in ("weights", "kv", "compute") else d.dominant
+    """One word for a sweep's bound column, as :func:`_bound_words` decides it (``StepCost.limiter``):
+    memory or compute, or comm / overhead where that part outweighs them."""
+    return d.limiter
 
 
 def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw: Hardware, w: Workload,
@@ -152,6 +160,7 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
              f"KV {w.kv_dtype}, {held}",
              *([f"  {w.tp_note} (at the base workload: batch {w.batch}, {w.prompt_tokens:,} prompt tokens; "
                 "every row keeps it)"] if w.tp_note else []),
+             *_multi_node_note(w, hw),
              "  decode step at each row's mean context, in ms per step (weights, KV, compute, comm, overhead); "
              "tok/s: output tokens per second of the whole batch",
              f"{'prompt' if axis == 'context' else 'batch':>8} {'TTFT ms':>10} {'ITL ms':>8} {'weights':>8} {'KV':>8} "

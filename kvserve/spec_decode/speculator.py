@@ -58,7 +58,7 @@ class Speculator:
             self.proposer.free(request_id)
 
 
-_LOAD_FORMAT = re.compile(r"(?<![\w/.-])load_format(?![\w/.-])")  # the word, not in a path or longer name
+_LOAD_FORMAT = re.compile(r"(?<![\w/.'\"-])load_format(?![\w/.'\"-])")  # the word; not in a path, quote, longer name
 
 
 def load_draft(config: SpecDecodeConfig, target_vocab_size: int, dtype: torch.dtype, seed: int):
