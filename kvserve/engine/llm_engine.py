@@ -117,6 +117,9 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self._rng = random.Random(config.seed)
         self._step = 0
+        # seconds spent making speculative proposals (a draft model's steps, n-gram lookups), outside
+        # every step's wall_s, which times the target model's step only
+        self.propose_s = 0.0
 
     # ------------------------------------------------------------------ setup helpers
     def _resolve_max_model_len(self) -> int:
@@ -287,7 +290,9 @@ class LLMEngine:
         tokens or finished in this step."""
         outputs, self._pending = self._pending, []
         if self.speculator is not None:
+            t = now()
             self.speculator.propose(self.scheduler.running, self.max_model_len)
+            self.propose_s += now() - t
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
