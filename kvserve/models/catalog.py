@@ -162,22 +162,23 @@ def catalog_path(name: str) -> str:
                       f"reinstall it with `{entry.pip_install} --force-reinstall`")
 
 
-def resolve_model(model: str, load_format: str = "auto") -> ModelSource:
+def resolve_model(model: str, load_format: str = "auto", setting: str = "load_format") -> ModelSource:
     """Turn a model string (catalog name, preset name, .gguf path, HF directory) into a ModelSource.
 
     Rules, in order: ``load_format="dummy"`` → random weights shaped by a preset name, or by the config
     of a config.json / HF directory / .gguf path. A path ending in .gguf → gguf. A directory with
     config.json → safetensors. A catalog name → its bundled GGUF. A preset name → dummy.
     Raises ConfigError for an unknown load_format, a missing file, or an unknown name (the message
-    lists the known names).
+    lists the known names). ``setting``: the name the messages give ``load_format`` (a draft model's
+    is ``draft_load_format``).
     """
     if load_format not in LOAD_FORMATS:
-        raise ConfigError(f"load_format must be one of {'|'.join(LOAD_FORMATS)}, got {load_format!r}")
+        raise ConfigError(f"{setting} must be one of {'|'.join(LOAD_FORMATS)}, got {load_format!r}")
     if load_format == "dummy":
-        return _resolve_dummy(model)
-    source = _resolve_path(model) or _resolve_name(model, load_format)
+        return _resolve_dummy(model, setting)
+    source = _resolve_path(model) or _resolve_name(model, load_format, setting)
     if load_format != "auto" and source.kind != load_format:
-        raise ConfigError(f"model {model!r} is a {source.kind} model, but load_format={load_format!r}")
+        raise ConfigError(f"model {model!r} is a {source.kind} model, but {setting}={load_format!r}")
     return source
 
 
@@ -198,7 +199,7 @@ def _resolve_path(model: str) -> ModelSource | None:
     return None
 
 
-def _resolve_name(model: str, load_format: str) -> ModelSource:
+def _resolve_name(model: str, load_format: str, setting: str = "load_format") -> ModelSource:
     """ModelSource for a catalog or preset name; ConfigError listing the known names otherwise."""
     name = CATALOG_ALIASES.get(model, model)  # the source keeps the name as given: the served model id
     if name in CATALOG:
@@ -206,15 +207,15 @@ def _resolve_name(model: str, load_format: str) -> ModelSource:
     if model in DUMMY_PRESETS:
         if load_format == "auto":
             return ModelSource("dummy", None, model, DUMMY_PRESETS[model])
-        raise ConfigError(f"model {model!r} is a preset of random weights, which load_format {load_format!r} "
-                          f"cannot load; give load_format 'dummy' or 'auto', or a {load_format} path")
+        raise ConfigError(f"model {model!r} is a preset of random weights, which {setting} {load_format!r} "
+                          f"cannot load; give {setting} 'dummy' or 'auto', or a {load_format} path")
     if os.path.exists(model):
         raise ConfigError(f"{model!r} is neither a .gguf file nor a directory with config.json")
     raise ConfigError(f"unknown model {model!r}: give a .gguf path, an HF directory with "
                       f"config.json, or one of {known_model_names()}")
 
 
-def _resolve_dummy(model: str) -> ModelSource:
+def _resolve_dummy(model: str, setting: str = "load_format") -> ModelSource:
     """Random-weight source: a preset name, or the config read from a config.json/HF dir/.gguf path."""
     from kvserve.models import loader  # lazy: loader imports this module
 
@@ -229,5 +230,5 @@ def _resolve_dummy(model: str) -> ModelSource:
         path = os.path.abspath(model)
         return ModelSource("dummy", path, os.path.splitext(os.path.basename(path))[0],
                            loader.read_gguf_config(path))
-    raise ConfigError(f"load_format=dummy needs a preset name {sorted(DUMMY_PRESETS)} or a path to "
+    raise ConfigError(f"{setting}=dummy needs a preset name {sorted(DUMMY_PRESETS)} or a path to "
                       f"a config.json, an HF directory or a .gguf file; got {model!r}")

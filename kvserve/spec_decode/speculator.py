@@ -7,8 +7,6 @@ logit_bias), no logprobs, no pending ``min_tokens``. It stops speculating after 
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
 from kvserve.config import ConfigError, SpecDecodeConfig
@@ -58,9 +56,6 @@ class Speculator:
             self.proposer.free(request_id)
 
 
-_LOAD_FORMAT = re.compile(r"(?<![\w/.'\"-])load_format(?![\w/.'\"-])")  # the word; not in a path, quote, longer name
-
-
 def load_draft(config: SpecDecodeConfig, target_vocab_size: int, dtype: torch.dtype, seed: int):
     """The draft model's checkpoint (its weights still lazy), or None when the method needs none. Made
     before the target is built, so a draft that cannot work fails at once, not after a long load:
@@ -72,11 +67,10 @@ def load_draft(config: SpecDecodeConfig, target_vocab_size: int, dtype: torch.dt
     from kvserve.models.loader import load_checkpoint
 
     try:
-        ckpt = load_checkpoint(resolve_model(config.draft_model, config.draft_load_format), seed=seed,
-                               progress=False)
-    except ConfigError as e:  # the loader's words ("model ...", "load_format ...") are about the draft here
-        words = _LOAD_FORMAT.sub("draft_load_format", str(e))
-        raise ConfigError(f"draft_model: {words}") from None
+        source = resolve_model(config.draft_model, config.draft_load_format, setting="draft_load_format")
+        ckpt = load_checkpoint(source, seed=seed, progress=False)
+    except ConfigError as e:  # the loader's words ("model ...") are about the draft here
+        raise ConfigError(f"draft_model: {e}") from None
     if ckpt.config.vocab_size != target_vocab_size:
         raise ConfigError(f"draft_model vocabulary ({ckpt.config.vocab_size}) differs from the target's "
                           f"({target_vocab_size}); they must share a tokenizer")
