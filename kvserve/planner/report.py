@@ -141,19 +141,14 @@ def _multi_node_note(w: Workload, hw: Hardware) -> list[str]:
             f"it runs over the network (vLLM's docs advise pipeline parallelism across nodes)"]
 
 
-def _bound_label(d: StepCost) -> str:
-    """One word for a sweep's bound column, as :func:`_bound_words` decides it (``StepCost.limiter``):
-    memory or compute, or comm / overhead where that part outweighs them."""
-    return d.limiter
-
-
 def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw: Hardware, w: Workload,
                  spec_itl_ms: list[float] | None = None, spec_note: str | None = None) -> str:
     """The sweep as a table under a title line that names the model, hardware, dtypes and what is held
     fixed. Columns: the prompt length (context) or batch, TTFT and ITL, the decode step's terms at the
     mean context (weights, KV, compute, comm, overhead; ms), output tokens/s, what bounds the step
-    (:func:`_bound_label`), and whether weights + KV fit the usable memory; with ``spec_itl_ms`` (one per
-    row) a last column of the mean ITL with speculative decoding, which ``spec_note`` describes."""
+    (``StepCost.limiter``, as in the single plan's step line), and whether weights + KV fit the usable
+    memory; with ``spec_itl_ms`` (one per row) a last column of the mean ITL with speculative decoding,
+    which ``spec_note`` describes."""
     held = (f"batch {w.batch}, {w.output_tokens:,} output tokens" if axis == "context"
             else f"{w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens")
     lines = [f"kvserve plan --sweep {axis} — {shape.name} on {w.tp}× {hw.name}: weights {_weights(w)}, "
@@ -173,7 +168,7 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
         batch = p.decode_mean.num_tokens
         lines.append(f"{x:>8} {p.ttft_ms:>10.1f} {p.itl_ms:>8.2f} {t['weights_ms']:>8.2f} {t['kv_ms']:>8.2f} "
                      f"{t['compute_ms']:>8.2f} {t['comm_ms']:>6.2f} {t['overhead_ms']:>8.2f} "
-                     f"{batch * 1e3 / p.itl_ms:>9.1f} {_bound_label(p.decode_mean):>8} "
+                     f"{batch * 1e3 / p.itl_ms:>9.1f} {p.decode_mean.limiter:>8} "
                      f"{'yes' if p.capacity.fits else 'no':>5}"
                      + (f" {spec_itl_ms[i]:>9.2f}" if spec_itl_ms else ""))
     longest = replace(w, prompt_tokens=rows[-1][0]) if axis == "context" else w
