@@ -33,15 +33,18 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def cgroup_memory_limit_bytes(root: str = "/sys/fs/cgroup") -> int | None:
+def cgroup_memory_limit_bytes(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int | None:
     """The memory limit of this process's control group in bytes, or None where it has none (or no cgroup
-    file is readable). cgroup v2: ``memory.max`` ("max" = none) of the group /proc/self/cgroup names
-    (``0::/path``); cgroup v1: ``memory/<path>/memory.limit_in_bytes``, where "none" is a value near
-    2**63. Inside a container the group's files are often at the root of ``root``, which is tried too.
-    Source: the Linux kernel's Documentation/admin-guide/cgroup-v2.rst and cgroup-v1/memory.rst."""
+    file is readable). A group is held to the lowest limit of itself and its ancestors, so each level from
+    the group up to ``root`` is read and the lowest limit wins. cgroup v2: ``memory.max`` ("max" = none) of
+    the group ``proc_cgroup`` names (``0::/path``) and of each parent directory; cgroup v1:
+    ``memory/<path>/memory.limit_in_bytes`` and its parents', where "none" is a value near 2**63. Inside a
+    container the group's files are often at the root of ``root``, which is read too. Values that are
+    not text, not an integer, or not positive are ignored. Source: the Linux kernel's
+    Documentation/admin-guide/cgroup-v2.rst ("memory.max", hierarchical limits) and cgroup-v1/memory.rst."""
     paths = {}
     try:
-        with open("/proc/self/cgroup") as f:
+        with open(proc_cgroup) as f:
             for line in f:
                 _, controllers, path = line.rstrip("\n").split(":", 2)
                 if controllers == "":
@@ -50,25 +53,24 @@ def cgroup_memory_limit_bytes(root: str = "/sys/fs/cgroup") -> int | None:
                     paths["v1"] = path
     except (OSError, ValueError):
         pass
-    candidates = [os.path.join(root, paths["v2"].lstrip("/"), "memory.max")] if "v2" in paths else []
-    candidates.append(os.path.join(root, "memory.max"))
-    if "v1" in paths:
-        candidates.append(os.path.join(root, "memory", paths["v1"].lstrip("/"), "memory.limit_in_bytes"))
-    candidates.append(os.path.join(root, "memory", "memory.limit_in_bytes"))
-    for path in candidates:
+
+    def levels(base: str, group: str | None, name: str) -> list[str]:
+        parts = [p for p in (group or "").split("/") if p not in ("", ".", "..")]
+        return [os.path.join(base, *parts[:n], name) for n in range(len(parts), -1, -1)]
+
+    candidates = levels(root, paths.get("v2"), "memory.max")
+    candidates += levels(os.path.join(root, "memory"), paths.get("v1"), "memory.limit_in_bytes")
+    limits = []
+    for path in dict.fromkeys(candidates):
         try:
             with open(path) as f:
                 text = f.read().strip()
-        except (OSError, ValueError):  # unreadable, a directory, or not text
-            continue
-        if text == "max":
-            return None
-        try:
             limit = int(text)
-        except ValueError:
+        except (OSError, ValueError):  # unreadable, a directory, not text, or "max" (no limit)
             continue
-        return limit if 0 < limit < 2**62 else None  # v1 writes "no limit" as 2**63 rounded down to a page
-    return None
+        if 0 < limit < 2**62:  # v1 writes "no limit" as 2**63 rounded down to a page
+            limits.append(limit)
+    return min(limits, default=None)
 
 
 def memory_limit() -> tuple[int, str]:
