@@ -632,6 +632,7 @@ static inline __attribute__((always_inline)) void int4_tile_q8(const uint16_t *r
                     const int32_t *quads = (const int32_t *)(xq + (int64_t)m * K + 32 * g);
                     s[m][half] = _mm256_add_epi16(s[m][half], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(quads[2 * c])));
                     s[m][half] = _mm256_add_epi16(s[m][half], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(quads[2 * c + 1])));
+                    KVS_KEEP(s[m][half]);  /* the sum in this order, not every product first (kernel_math.h) */
                 }
             }
         for (int half = 0; half < 2; half++) {
