@@ -320,25 +320,24 @@ def test_cgroup_memory_limit_is_read_from_either_cgroup_version(tmp_path, monkey
     assert memory.memory_limit_bytes() == (physical if limit is None else min(physical, limit))
 
 
-@pytest.mark.parametrize("version, proc_line, files, limit", [
+@pytest.mark.parametrize("proc_line, files, limit", [
     # v2: the group itself says "max", its parent holds it to 1 GiB
-    ("v2", "0::/a/b\n", {"a/b/memory.max": "max\n", "a/memory.max": "1073741824\n"}, 1 << 30),
+    ("0::/a/b\n", {"cg/a/b/memory.max": "max\n", "cg/a/memory.max": "1073741824\n"}, 1 << 30),
     # v2: the lowest of group, parent and the root's file wins, wherever it is
-    ("v2", "0::/a/b\n", {"a/b/memory.max": "3221225472\n", "a/memory.max": "max\n",
-                          "memory.max": "2147483648\n"}, 2 << 30),
+    ("0::/a/b\n", {"cg/a/b/memory.max": "3221225472\n", "cg/a/memory.max": "max\n",
+                   "cg/memory.max": "2147483648\n"}, 2 << 30),
     # v1: the same walk under memory/
-    ("v1", "4:memory:/x/y\n0::/\n", {"memory/x/y/memory.limit_in_bytes": "9223372036854771712\n",
-                                        "memory/x/memory.limit_in_bytes": "536870912\n"}, 1 << 29),
-    # a path that climbs out of the root is not followed
-    ("v2", "0::/../../etc\n", {"memory.max": "max\n"}, None),
-])
-def test_cgroup_memory_limit_counts_the_ancestors_limits(tmp_path, version, proc_line, files, limit):
+    ("4:memory:/x/y\n0::/\n", {"cg/memory/x/y/memory.limit_in_bytes": "9223372036854771712\n",
+                                "cg/memory/x/memory.limit_in_bytes": "536870912\n"}, 1 << 29),
+    # a path that climbs out of the root is not followed: the limit beside the root is not read
+    ("0::/../outside\n", {"cg/memory.max": "max\n", "outside/memory.max": "1024\n"}, None),
+], ids=["v2-parent", "v2-lowest", "v1-parent", "no-escape"])
+def test_cgroup_memory_limit_counts_the_ancestors_limits(tmp_path, proc_line, files, limit):
     from kvserve import memory
 
     proc = tmp_path / "proc_cgroup"
     proc.write_text(proc_line)
-    root = tmp_path / "cg"
     for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
-    assert memory.cgroup_memory_limit_bytes(str(root), str(proc)) == limit
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert memory.cgroup_memory_limit_bytes(str(tmp_path / "cg"), str(proc)) == limit
