@@ -39,14 +39,19 @@ def cgroup_memory_limit_bytes(root: str = "/sys/fs/cgroup", proc_cgroup: str = "
     the group up to ``root`` is read and the lowest limit wins. cgroup v2: ``memory.max`` ("max" = none) of
     the group ``proc_cgroup`` names (``0::/path``) and of each parent directory; cgroup v1:
     ``memory/<path>/memory.limit_in_bytes`` and its parents', where "none" is a value near 2**63. Inside a
-    container the group's files are often at the root of ``root``, which is read too. Values that are
-    not text, not an integer, or not positive are ignored. Source: the Linux kernel's
+    container the group's files are often at the root of ``root``, which is read too. A path with ``..``
+    (the kernel's view of a group outside this cgroup namespace) is not followed: only the root's file
+    is read. Malformed lines of ``proc_cgroup`` are skipped; values that are not text, not an integer,
+    or not positive are ignored. Source: the Linux kernel's
     Documentation/admin-guide/cgroup-v2.rst ("memory.max", hierarchical limits) and cgroup-v1/memory.rst."""
     paths = {}
     try:
         with open(proc_cgroup) as f:
             for line in f:
-                _, controllers, path = line.rstrip("\n").split(":", 2)
+                fields = line.rstrip("\n").split(":", 2)
+                if len(fields) != 3:  # not "id:controllers:path": skip the line, keep reading
+                    continue
+                _, controllers, path = fields
                 if controllers == "":
                     paths["v2"] = path
                 elif "memory" in controllers.split(","):
@@ -55,7 +60,9 @@ def cgroup_memory_limit_bytes(root: str = "/sys/fs/cgroup", proc_cgroup: str = "
         pass
 
     def levels(base: str, group: str | None, name: str) -> list[str]:
-        parts = [p for p in (group or "").split("/") if p not in ("", ".", "..")]
+        parts = [p for p in (group or "").split("/") if p not in ("", ".")]
+        if ".." in parts:  # a group outside this cgroup namespace ("/../x"): only the root's own file applies
+            parts = []
         return [os.path.join(base, *parts[:n], name) for n in range(len(parts), -1, -1)]
 
     candidates = levels(root, paths.get("v2"), "memory.max")

@@ -331,7 +331,11 @@ def test_cgroup_memory_limit_is_read_from_either_cgroup_version(tmp_path, monkey
                                 "cg/memory/x/memory.limit_in_bytes": "536870912\n"}, 1 << 29),
     # a path that climbs out of the root is not followed: the limit beside the root is not read
     ("0::/../outside\n", {"cg/memory.max": "max\n", "outside/memory.max": "1024\n"}, None),
-], ids=["v2-parent", "v2-lowest", "v1-parent", "no-escape"])
+    # nor is a group of the same name inside the root: "/../b" is outside this namespace, not "b"
+    ("0::/../b\n", {"cg/memory.max": "max\n", "cg/b/memory.max": "1024\n"}, None),
+    # a malformed line before the v2 line does not stop the parse
+    ("garbage\n0::/a\n", {"cg/a/memory.max": "1073741824\n"}, 1 << 30),
+], ids=["v2-parent", "v2-lowest", "v1-parent", "no-escape", "outside-namespace", "malformed-line"])
 def test_cgroup_memory_limit_counts_the_ancestors_limits(tmp_path, proc_line, files, limit):
     from kvserve import memory
 
