@@ -228,6 +228,31 @@ def test_prefill_attention_kernel_keeps_a_future_nan_key_from_earlier_queries():
     assert not out[:, :3].isnan().any() and not out[:, 6:].isnan().any()
 
 
+@pytest.mark.parametrize("L,S", [(128, 128), (40, 200)])
+def test_prefill_attention_kernel_survives_a_first_block_of_minus_inf_scores(L, S):
+    """Every query positive and the first 64 keys −inf: each of those keys scores −inf. A query that also
+    sees later, finite keys gets their softmax (the −inf keys weigh 0); one that sees only −inf keys gets
+    NaN, as the float64 reference. The AVX2 kernel's running maximum stayed −inf after the first key
+    block and the next block computed 2^(−inf − (−inf)) = NaN for every row (adversarial review)."""
+    dll = _prefill_kernel_here()
+    if dll.amx:
+        pytest.skip("the AMX section starts its running maximum the same way; not changed without an AMX "
+                    "machine to test it on")
+    from kvserve.attention import paged
+
+    g = torch.Generator().manual_seed(L + S)
+    q = torch.rand(L, 3, 64, generator=g).add(0.1).bfloat16()
+    k, v = (torch.randn(S, 1, 64, generator=g).bfloat16() for _ in range(2))
+    k[:64] = float("-inf")
+    out = paged._prefill(q, k, v, 0.125)
+    ref = _causal_reference(q, k, v, 0.125)
+    sees_finite = (S - L + torch.arange(L)) >= 64
+    assert out[~sees_finite].isnan().all() and ref[~sees_finite].isnan().all()
+    assert sees_finite.any() and out[sees_finite].isfinite().all()
+    bound = 2.0 ** -7 * v.float().abs().max().item() + 2.0 ** -12
+    assert (out[sees_finite].double() - ref[sees_finite]).abs().max().item() <= bound
+
+
 @pytest.mark.parametrize("G,L,S,j", [(1, 40, 40, 21), (3, 16, 16, 10), (2, 100, 100, 37), (3, 100, 700, 650)])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_prefill_attention_kernel_keeps_a_future_bad_value_from_earlier_queries(G, L, S, j, bad):

@@ -436,7 +436,9 @@ static inline __attribute__((always_inline)) void attend_rows(
                 }
                 m[r] = bm;
             }
-            const __m256 mr = _mm256_set1_ps(m[r]);
+            /* every key so far scored −inf (a key overflowed): p = 2^(−inf − 0) = 0, not 2^(−inf − (−inf)), a
+             * NaN that would stay in o and l after a later block's finite keys (adversarial review) */
+            const __m256 mr = _mm256_set1_ps(m[r] == -INFINITY ? 0.f : m[r]);
             __m256 z = _mm256_setzero_ps();
             for (int j = 0; j < PA_KB; j += 8) {
                 const __m256 p = exp2_nonpos_avx2(_mm256_sub_ps(_mm256_load_ps(sr + j), mr));
