@@ -979,3 +979,11 @@ def test_plan_notes_more_gpus_than_a_node_and_sweeps_name_the_terms_that_bound(c
     assert "memory-bound (weights + KV together; largest single term: overhead)" in capsys.readouterr().out
     assert main(["plan", "--tp", "16", "--sweep", "batch"]) == 0  # the sweep has the node NOTE too
     assert "NOTE: 16 GPUs span more than one node of 8" in capsys.readouterr().out
+    # and the JSON, plan and sweep rows alike (it was text only)
+    for tp in (8, 16):
+        assert main(["plan", "--tp", str(tp), "--json"]) == 0
+        notes = json.loads(capsys.readouterr().out)["notes"]
+        assert [n.startswith("16 GPUs span more than one node of 8") for n in notes] == ([True] if tp == 16 else [])
+    assert main(["plan", "--tp", "16", "--sweep", "batch", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows and all(len(r["notes"]) == 1 and "more than one node" in r["notes"][0] for r in rows)

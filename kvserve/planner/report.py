@@ -15,7 +15,8 @@ def _gb(x: float) -> str:
 
 
 def plan_dict(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> dict:
-    """The figures as one JSON-able object: ttft_ms, itl_ms, e2e_ms, the decode terms, fits, ..."""
+    """The figures as one JSON-able object: ttft_ms, itl_ms, e2e_ms, the decode terms, fits, ...;
+    ``notes``: the text plan's NOTE lines about the GPUs (more than one node), without the "NOTE: "."""
     d = p.decode_mean
     return {
         "model": shape.name, "hardware": hw.name, "workload": asdict(w),
@@ -28,6 +29,7 @@ def plan_dict(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> dict:
         "kv_bytes_per_token": shape.kv_bytes_per_token(w.kv_dtype),
         "fits": p.capacity.fits, "capacity": asdict(p.capacity), "within_context": within_context(shape, w),
         "efficiency": asdict(p.efficiency),
+        "notes": [n.strip().removeprefix("NOTE: ") for n in _multi_node_note(w, hw)],
     }
 
 
