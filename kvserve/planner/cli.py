@@ -232,9 +232,9 @@ def _spec(a, shape, hw, eff, w, p) -> dict | None:
         draft = decode_step(draft_shape, hw, eff, replace(w, tp=1), ctx).time_s * 1e3
         if w.output_tokens > 1:  # a draft runs only for the tokens after the first, which the prefill gives
             draft_prefill = sum(s.time_s for s in prefill_steps(draft_shape, hw, eff, replace(w, tp=1))) * 1e3
-    est = speculative_itl(p.itl_ms, verify, draft, a.spec_acceptance, g)
-    if w.output_tokens <= 1:  # no decode step runs: nothing to speculate on, no speed-up
-        est = SpecDecodeEstimate(1.0, p.itl_ms, p.itl_ms, 1.0)
+    # no decode step runs for 0 or 1 output tokens: nothing to speculate on, no speed-up
+    est = (speculative_itl(p.itl_ms, verify, draft, a.spec_acceptance, g) if w.output_tokens > 1
+           else SpecDecodeEstimate(1.0, p.itl_ms, p.itl_ms, 1.0))
     # E2E as the plan's, with the draft's prefill added and the speculative mean ITL for the plain one
     e2e = p.ttft_ms + draft_prefill + max(w.output_tokens - 1, 0) * est.itl_ms + w.network_ms
     return {"acceptance_rate": a.spec_acceptance, "num_speculative_tokens": g, "draft_model": a.draft_model} \
