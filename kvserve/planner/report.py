@@ -16,7 +16,7 @@ def _gb(x: float) -> str:
 
 def plan_dict(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> dict:
     """The figures as one JSON-able object: ttft_ms, itl_ms, e2e_ms, the decode terms, fits, ...;
-    ``notes``: the text plan's NOTE lines about the GPUs (more than one node), without the "NOTE: "."""
+    ``notes``: what the text plan prints as NOTE lines about the GPUs (more than one node)."""
     d = p.decode_mean
     return {
         "model": shape.name, "hardware": hw.name, "workload": asdict(w),
@@ -29,7 +29,7 @@ def plan_dict(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> dict:
         "kv_bytes_per_token": shape.kv_bytes_per_token(w.kv_dtype),
         "fits": p.capacity.fits, "capacity": asdict(p.capacity), "within_context": within_context(shape, w),
         "efficiency": asdict(p.efficiency),
-        "notes": [n.strip().removeprefix("NOTE: ") for n in _multi_node_note(w, hw)],
+        "notes": _multi_node_notes(w, hw),
     }
 
 
@@ -90,7 +90,7 @@ def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
         f"kvserve plan — {shape.name} on {w.tp}× {hw.name}: weights {_weights(w)}, KV {w.kv_dtype}, "
         f"batch {w.batch}, {w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens",
         *([f"  {w.tp_note}"] if w.tp_note else []),
-        *_multi_node_note(w, hw),
+        *(f"  NOTE: {n}" for n in _multi_node_notes(w, hw)),
         *([f"  NOTE: {w.prompt_tokens + w.output_tokens:,} tokens exceed the model's context length "
            f"(max_position_embeddings {shape.max_position_embeddings:,}): the engine would reject this "
            f"request; figures extrapolated"] if not within_context(shape, w) else []),
@@ -134,11 +134,12 @@ def sweep(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, axis: s
     return [(x, plan(shape, hw, eff, replace(w, batch=x), draft)) for x in SWEEP_BATCHES]
 
 
-def _multi_node_note(w: Workload, hw: Hardware) -> list[str]:
-    """A NOTE line for more GPUs than one node holds, or none."""
+def _multi_node_notes(w: Workload, hw: Hardware) -> list[str]:
+    """The note for more GPUs than one node holds (a list of one), or none: the text plan and sweep print
+    it as a NOTE line, ``plan_dict`` lists it under ``notes``."""
     if w.tp <= GPUS_PER_NODE or hw.hardware_class == "local":
         return []
-    return [f"  NOTE: {w.tp} GPUs span more than one node of {GPUS_PER_NODE}: the all-reduce is timed at "
+    return [f"{w.tp} GPUs span more than one node of {GPUS_PER_NODE}: the all-reduce is timed at "
             f"{hw.name}'s in-node link ({hw.interconnect_bytes_per_s / 1e9:,.0f} GB/s per GPU), but across nodes "
             f"it runs over the network (vLLM's docs advise pipeline parallelism across nodes)"]
 
@@ -157,7 +158,7 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
              f"KV {w.kv_dtype}, {held}",
              *([f"  {w.tp_note} (at the base workload: batch {w.batch}, {w.prompt_tokens:,} prompt tokens; "
                 "every row keeps it)"] if w.tp_note else []),
-             *_multi_node_note(w, hw),
+             *(f"  NOTE: {n}" for n in _multi_node_notes(w, hw)),
              "  decode step at each row's mean context, in ms per step (weights, KV, compute, comm, overhead); "
              "tok/s: output tokens per second of the whole batch",
              f"{'prompt' if axis == 'context' else 'batch':>8} {'TTFT ms':>10} {'ITL ms':>8} {'weights':>8} {'KV':>8} "
