@@ -381,6 +381,57 @@ def test_greedy_step_with_the_lm_head_in_the_one_call_gives_the_sampler_tokens(d
     assert runs[0][0] == runs[0][1]  # the logprobs row changes nothing in the others
 
 
+@pytest.mark.parametrize("dtype,weight_dtype,tied,int8_head", [
+    ("bfloat16", "int4", False, False), ("bfloat16", "int8", False, False), ("float32", "float32", True, False),
+    ("float32", "int4", False, False), ("bfloat16", "int4", False, True)])
+def test_sampled_step_with_the_lm_head_in_the_one_call_gives_the_module_path_tokens(dtype, weight_dtype, tied,
+                                                                                   int8_head):
+    """A decode step that samples runs the LM head inside the one C call (LlamaDecodePlan.logits) and
+    hands its logits to the sampler: seeded rows (temperature, min-p, top-p, logprobs) draw the same
+    tokens with the same logprobs as on the module path (forward, compute_logits, sampler), and the
+    plan ran every decode step."""
+    if (int4_kernel() if weight_dtype == "int4" else gemv_kernel()) is None:
+        pytest.skip("kvserve's int4 kernel needs AVX512-BF16 or AVX2 and cc; the dense GEMV AVX-512 or AVX2 and cc")
+    from kvserve import SamplingParams
+    from kvserve.models.catalog import DUMMY_PRESETS
+    from kvserve.models.llama_decode import LlamaDecodePlan
+    from tests.conftest import tiny_llm
+
+    prompts = [list(range(3, 3 + n)) for n in (1, 17, 70, 300)]
+    params = [SamplingParams(max_tokens=7, temperature=0.8, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=1.3, min_p=0.05, seed=2, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=1.0, seed=4, logprobs=2, ignore_eos=True)]
+    runs = []
+    for fused in (True, False):
+        llm = tiny_llm(dtype=dtype, weight_dtype=weight_dtype, max_num_batched_tokens=512, enable_prefix_caching=False,
+                       dummy_config=DUMMY_PRESETS["tiny-llama"].replace(tie_word_embeddings=tied))
+        runner = llm.engine.runner
+        if int8_head:
+            runner.model.lm_head = Int8Linear(runner.model.lm_head.dequantize())
+        if not fused:
+            runner._fused_logits = lambda *a: None
+        calls = []
+        orig = LlamaDecodePlan.logits
+
+        def counted(self, *a):
+            calls.append(orig(self, *a))
+            return calls[-1]
+        try:
+            LlamaDecodePlan.logits = counted
+            outs = llm.generate(prompts, params)
+        finally:
+            LlamaDecodePlan.logits = orig
+        if fused:  # one prefill step, then 6 decode steps on the C call's head
+            assert len(calls) == 6 and all(c is not None for c in calls)
+        else:
+            assert calls == []
+        runs.append([(o.outputs[0].token_ids, [(lp.token_id, lp.logprob, lp.top_token_ids)
+                                                for lp in o.outputs[0].logprobs or []]) for o in outs])
+    assert runs[0] == runs[1]
+    assert len(set(runs[0][0][0])) > 1  # it sampled
+
+
 @pytest.mark.parametrize("dtype,weight_dtype,kv_dtype,lens", [
     ("bfloat16", "int4", "auto", (1, 15, 16, 17, 33, 70) * 3),  # 18 rows: two AMX blocks where the kernel has AMX
     ("float32", "int4", "auto", (1, 15, 16, 17, 33, 70)), ("float32", "int4", "bfloat16", (1, 15, 16, 17, 33, 70)),

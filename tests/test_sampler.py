@@ -405,3 +405,102 @@ def test_rows_that_fall_back_in_a_different_order_keep_their_own_settings():
     together = sampling_probs(logits.clone(), params)
     for r in range(4):
         assert torch.equal(together[r], sampling_probs(logits[r:r + 1].clone(), [params[r]])[0]), r
+
+
+# ------------------------------------------------------------------------------------ the sampling kernel
+def _kernel_or_skip():
+    from kvserve.engine.sampler import sampling_kernel
+    if sampling_kernel(torch.zeros(1, 8)) is None:
+        pytest.skip("no compiled kernel (no C compiler, or KVSERVE_NO_KV_KERNEL)")
+
+
+def float64_inverse_cdf(logits: torch.Tensor, t: float, min_p: float, u: float) -> tuple[int, float]:
+    """The reference draw in float64: softmax(logits / t), tokens below min_p × the top probability set
+    to 0, the first token whose cumulative probability exceeds u × the total. Also the distance from
+    u × total to the nearest cumulative boundary, relative to the total (rounding decides a draw that
+    close)."""
+    p = torch.softmax(logits.double() / t, dim=-1)
+    p = torch.where(p < min_p * p.max(), torch.zeros_like(p), p)
+    cdf = p.cumsum(-1)
+    target = u * float(cdf[-1])
+    tok = int((cdf <= target).sum())
+    return tok, float((cdf - target).abs().min() / cdf[-1])
+
+
+@pytest.mark.parametrize("vocab", [8, 255, 256, 257, 1000, 49152])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampling_kernel_matches_a_float64_inverse_cdf(vocab, dtype):
+    """kvs_sample_rows against the float64 reference, rows of several temperatures and min-p (vocabularies
+    around the 256-token blocks and SmolLM2's), float32 and bfloat16 logits: the same token wherever the
+    target is not within 1e-6 of a boundary (where rounding may decide it either way)."""
+    from kvserve.engine.sampler import sample_plain_rows
+    _kernel_or_skip()
+    g = torch.Generator().manual_seed(vocab)
+    settings = [(t, mp) for t in (0.25, 1.0, 1.9) for mp in (0.0, 0.05)] * 4
+    logits = (torch.randn(len(settings), vocab, generator=g) * 3).to(dtype)
+    u = torch.rand(len(settings), generator=g, dtype=torch.float64)
+    params = [SamplingParams(temperature=t, min_p=mp) for t, mp in settings]
+    got = sample_plain_rows(logits, list(range(len(settings))), params, u)
+    checked = 0
+    for r, (t, mp) in enumerate(settings):
+        want, margin = float64_inverse_cdf(logits[r].float(), t, mp, float(u[r]))
+        if margin > 1e-6:
+            assert got[r] == want, (r, t, mp, got[r], want)
+            checked += 1
+    assert checked >= len(settings) - 2
+
+
+def test_sampler_draws_the_same_tokens_with_and_without_the_kernel(monkeypatch):
+    """Seeded and unseeded temperature / min-p rows beside a top-p row: the Sampler on the kernel gives
+    the tokens of its PyTorch path (sampling_probs + sample_from_probs) for the same seeds."""
+    import kvserve.engine.sampler as sampler_mod
+    _kernel_or_skip()
+    g = torch.Generator().manual_seed(5)
+    steps = [torch.randn(6, 3000, generator=g) * 2 for _ in range(8)]
+
+    def run() -> list[list[int]]:
+        gens = [torch.Generator().manual_seed(40 + i) for i in range(5)]
+        torch.manual_seed(99)
+        params = [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.3, min_p=0.02, seed=2),
+                  SamplingParams(temperature=1.0), SamplingParams(top_p=0.9, seed=3),
+                  SamplingParams(temperature=0.5, seed=4), SamplingParams(temperature=1.0, min_p=0.1)]
+        rows = [SamplingRow(p, gens[i] if p.seed is not None else None, [], [], ()) for i, p in enumerate(params)]
+        return [Sampler()(x, rows).token_ids for x in steps]
+
+    with_kernel = run()
+    monkeypatch.setattr(sampler_mod, "sampling_kernel", lambda logits: None)
+    without = run()
+    assert with_kernel == without
+    assert len({t[0] for t in with_kernel}) > 1  # it really sampled
+
+
+def test_sampling_kernel_leaves_nan_and_all_minus_inf_rows_to_the_torch_path():
+    """A NaN row and an all -inf row beside a normal seeded row: those two get ids inside the vocabulary
+    (the PyTorch path's answer), and the normal row draws what it draws alone."""
+    _kernel_or_skip()
+    normal = torch.randn(500, generator=torch.Generator().manual_seed(1))
+    batch = torch.stack([torch.full((500,), float("nan")), normal, torch.full((500,), float("-inf"))])
+    rows = [row(SamplingParams(temperature=1.0), seed=10), row(SamplingParams(temperature=1.0), seed=11),
+            row(SamplingParams(temperature=1.0), seed=12)]
+    ids = Sampler()(batch, rows).token_ids
+    alone = Sampler()(normal[None], [row(SamplingParams(temperature=1.0), seed=11)]).token_ids
+    assert all(0 <= i < 500 for i in ids)
+    assert ids[1] == alone[0]
+
+
+def test_sampling_kernel_infinite_logits_and_zero_tokens_at_the_edges(monkeypatch):
+    """+inf logits (clamped to the float max, as torch's clamp_) share the mass equally; -inf tokens are
+    never drawn, also at u = 0 and u just below 1, where rounding could reach the zeros around the live
+    tokens (placed across the 256-token blocks)."""
+    from kvserve.engine.sampler import sample_plain_rows
+    _kernel_or_skip()
+    logits = torch.full((1, 700), float("-inf"))
+    logits[0, [3, 300, 310, 650]] = torch.tensor([-90.0, 2.0, -200.0, 3.0])  # 3 and 310: exp rounds to 0
+    p = [SamplingParams(temperature=1.0)]
+    assert sample_plain_rows(logits, [0], p, torch.tensor([0.0], dtype=torch.float64)) == [300]
+    assert sample_plain_rows(logits, [0], p, torch.tensor([1.0 - 2.0 ** -53], dtype=torch.float64)) == [650]
+    inf = torch.zeros(1, 300)
+    inf[0, [7, 299]] = float("inf")
+    draws = sample_plain_rows(inf, [0] * 2000, p * 2000, torch.rand(2000, dtype=torch.float64))
+    assert set(draws) == {7, 299}
+    assert 850 < draws.count(7) < 1150  # binomial(2000, 1/2): mean 1000, sd 22

@@ -115,10 +115,11 @@ def load() -> ctypes.CDLL | None:
                                          i32]
     dll.kvs_int4_linear.argtypes = [p, i64, i32, p, i32, p, i32, i32]
     dll.kvs_llama_decode.argtypes = [p, i32, i32, i32, p, p, i64, p, p, p, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, i32,
-                                     f32, f32, i32, i32, i32, i32, p, i32, p, i32, p]
+                                     f32, f32, i32, i32, i32, i32, p, i32, p, i32, p, p]
     dll.kvs_dense_linear.argtypes = [p, i64, i32, p, i32, p, i32, p, i32]
     dll.kvs_argmax_rows.argtypes = [p, i32, i64, i64, p]
     dll.kvs_prefetch_lines.argtypes = [p, i64, i64]
+    dll.kvs_sample_rows.argtypes = [p, i32, i64, p, i64, p, p, p, p]
     dll.kvs_dense_supported.argtypes = []
     dll.kvs_dense_supported.restype = i32
     dll.kvs_int4_supported.argtypes = []
@@ -137,7 +138,8 @@ def load() -> ctypes.CDLL | None:
     dll.amx = bool(dll.kvs_int4_amx_enable())  # AMX tile state granted: int4 steps of >= 4 rows use it
     dll.prefill_attention_supported = functools.cache(lambda d: bool(dll.kvs_prefill_attention_supported(d)))
     for f in (dll.kvs_rope_write_kv, dll.kvs_add_rms_norm, dll.kvs_silu_mul, dll.kvs_decode_attention,
-              dll.kvs_int4_linear, dll.kvs_dense_linear, dll.kvs_argmax_rows, dll.kvs_prefetch_lines):
+              dll.kvs_int4_linear, dll.kvs_dense_linear, dll.kvs_argmax_rows, dll.kvs_prefetch_lines,
+              dll.kvs_sample_rows):
         f.restype = None
     dll.kvs_prefill_attention.restype = i32  # 0; -1: a buffer could not be allocated; -2: arguments refused
     dll.kvs_llama_decode.restype = i32  # -1: a token id outside the embedding, nothing run

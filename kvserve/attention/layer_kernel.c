@@ -7,6 +7,7 @@
  * even, as c10::BFloat16), so a bfloat16 model sees the values its eager ops would give; float32
  * products are not contracted into FMAs where eager PyTorch rounds each product (RoPE).
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -347,7 +348,7 @@ static void linear_team(int kind, const void *x, int64_t M, int K, const void *w
  *
  * x: [B, n] residual stream (act 3 or 4), updated in place; NULL: the rows input_ids [B] of embed [vocab, n]
  * (act), gathered here into a buffer of its own (returns -1, running nothing, if an id is outside
- * [0, vocab)). out: NULL for a greedy step (lm_head given), which needs only the token ids.
+ * [0, vocab)). out: NULL for a step with lm_head given, which needs only the logits or token ids.
  *
  * layers: [L, 14] pointers per layer: QKV, O, gate/up, down matrices; input and post-attention norm
  * weights (norm_code 3 or 4); key and value caches ([num_slots, Hkv, d] in cache_code 0-4); for 1-byte
@@ -356,12 +357,14 @@ static void linear_team(int kind, const void *x, int64_t M, int K, const void *w
  * inputs and outputs are bfloat16 for int4 and int8, as Int4Linear and Int8Linear take and return them,
  * and float32 for dense ones (act 3).
  *
- * lm_head (NULL: none): a greedy step's LM head, a [V, n] matrix of kind lm_kind (as kind above; lm_scales:
- * its row scales for int8, else NULL), multiplied with out in the same parallel region (no fork and join,
- * no return to Python between the last layer and the logits), then token_ids[b] = kvs_argmax_rows of row
- * b of the logits (bfloat16, float32 for a dense head): the same kernels, with the same inputs, as the LM
- * head module and the greedy sampler run. A packed head (int4, int8) of a float32 model (act 3) takes out
- * rounded to bfloat16, as Int4Linear and Int8Linear cast their input; a dense head needs act 3. */
+ * lm_head (NULL: none): the LM head, a [V, n] matrix of kind lm_kind (as kind above; lm_scales: its row
+ * scales for int8, else NULL), multiplied with out in the same parallel region (no fork and join, no
+ * return to Python between the last layer and the logits) into logits_out [B, V] (bfloat16, float32 for
+ * a dense head; NULL: a buffer of its own), then, unless token_ids is NULL (a step that samples), a
+ * greedy step's token_ids[b] = kvs_argmax_rows of row b of the logits: the same kernels, with the same
+ * inputs, as the LM head module and the greedy sampler run. A packed head (int4, int8) of a float32 model
+ * (act 3) takes out rounded to bfloat16, as Int4Linear and Int8Linear cast their input; a dense head
+ * needs act 3. out may be NULL only with lm_head given. */
 void kvs_argmax_rows(const void *x, int code, int64_t rows, int64_t n, int64_t *out);
 
 int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void *x, const void *embed,
@@ -370,7 +373,7 @@ int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void
                      const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
                      const void *final_norm, void *out, int B, int n, int H, int Hkv, int d, int I, float eps,
                      float scale, int bs, int act, int cache_code, int num_threads, const void *lm_head,
-                     int lm_kind, const void *lm_scales, int V, int64_t *token_ids) {
+                     int lm_kind, const void *lm_scales, int V, int64_t *token_ids, void *logits_out) {
     const int W = (H + 2 * Hkv) * d, Kmax = n > I ? (n > H * d ? n : H * d) : (I > H * d ? I : H * d);
     const int mc = kind == 1 ? 3 : 4;  /* the matmuls' input and output dtype */
     const size_t es = mc == 3 ? sizeof(float) : sizeof(uint16_t);
@@ -396,7 +399,7 @@ int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void
     void *o_in = mc == 3 ? (void *)of : (void *)o;  /* float32 attention output: the O matmul's input as is */
     const int lm_code = lm_kind == 1 ? 3 : 4;  /* the head's output dtype */
     const size_t les = lm_code == 3 ? sizeof(float) : sizeof(uint16_t);
-    void *logits = lm_head ? malloc(les * (size_t)B * (size_t)V) : NULL;
+    void *logits = lm_head ? (logits_out ? logits_out : malloc(les * (size_t)B * (size_t)V)) : NULL;
     /* a packed head of a float32 model: its bfloat16 input */
     uint16_t *lm_in = lm_head && lm_code == 4 && act == 3 ? malloc(sizeof(uint16_t) * (size_t)B * n) : NULL;
 #pragma omp parallel num_threads(num_threads)
@@ -430,12 +433,14 @@ int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void
             }
             linear_team(lm_kind, lm_in ? (const void *)lm_in : out, B, n, lm_head, lm_scales, V, logits,
                         xsum);  /* ends with a barrier */
+            if (token_ids) {
 #pragma omp for schedule(static)
-            for (int b = 0; b < B; b++)
-                kvs_argmax_rows((const char *)logits + les * (size_t)b * V, lm_code, 1, V, token_ids + b);
+                for (int b = 0; b < B; b++)
+                    kvs_argmax_rows((const char *)logits + les * (size_t)b * V, lm_code, 1, V, token_ids + b);
+            }
         }
     }
-    free(logits);
+    if (logits != logits_out) free(logits);
     free(lm_in);
     free(x_own);
     free(out_own);
@@ -505,6 +510,116 @@ void kvs_argmax_rows(const void *x, int code, int64_t rows, int64_t n, int64_t *
             if (!nan && v > bv) { bv = v; best = i; }
         }
         out[r] = best;
+    }
+}
+
+/* Softmax sampling by inverse CDF for count rows of logits x (code 3 float32, 4 bfloat16; n entries a row;
+ * row i of the call is row row_ids[i] of x): the sampler's temperature / min-p path
+ * (kvserve/engine/sampler.py: sampling_probs, then sample_from_probs) without its ~25 PyTorch ops on
+ * [rows, vocab] tensors (~0.5 ms cold for one 49,152-token row, a tenth of a SmolLM2 decode step).
+ *
+ * Row i: z = x / temperature[i] (an IEEE division, as torch's), clamped to FLT_MAX (torch's clamp_);
+ * w = e^(z - max z) (exp_nonpos), set to 0 where w < min_p[i] (w / sum w < min_p × the largest
+ * probability, 1 / sum w; min_p 0: off). out[i] = the first token whose float64 running sum of w exceeds
+ * u[i] × sum w, found as sample_from_probs finds it: the first block of KVS_CDF_BLOCK tokens whose
+ * cumulative float64 block sums exceed the target, then the running sum inside it, the result clamped
+ * to the block's first and last token of w > 0 (so a token of probability 0 is never drawn). The
+ * probabilities are not divided by their sum: the same draw up to rounding. out[i] = -1 for a row that
+ * holds a NaN or only -inf (the caller's PyTorch path decides those). Rows run in parallel. */
+#define KVS_CDF_BLOCK 256
+
+static inline float sample_value(const void *x, int code, int64_t i) {
+    return code == 3 ? ((const float *)x)[i] : bf16_to_float(((const uint16_t *)x)[i]);
+}
+
+/* w[j] for tokens b0 + j < e (at most KVS_CDF_BLOCK): e^(z - m), 0 below min_p; tokens below n8 on 8 lanes,
+ * the rest one by one, so a token's w is the same in every pass */
+static inline void sample_weights(const void *x, int code, int64_t b0, int64_t e, int64_t n8, float t, float m,
+                                  float min_p, float *w) {
+    int64_t i = b0;
+#ifdef __AVX2__
+    const __m256 vt = _mm256_set1_ps(t), vm = _mm256_set1_ps(m), vp = _mm256_set1_ps(min_p);
+    const __m256 big = _mm256_set1_ps(FLT_MAX);
+    for (; i + 8 <= e && i + 8 <= n8; i += 8) {
+        const __m256 v = code == 3 ? _mm256_loadu_ps((const float *)x + i) : bf16x8((const uint16_t *)x + i);
+        const __m256 we = exp_nonpos_avx2(_mm256_sub_ps(_mm256_min_ps(t == 1.f ? v : _mm256_div_ps(v, vt), big), vm));
+        _mm256_storeu_ps(w + (i - b0), _mm256_and_ps(we, _mm256_cmp_ps(we, vp, _CMP_NLT_UQ)));
+    }
+#else
+    (void)n8;
+#endif
+    for (; i < e; i++) {
+        float z = sample_value(x, code, i) / t;
+        z = z > FLT_MAX ? FLT_MAX : z;
+        const float we = exp_nonpos(z - m);
+        w[i - b0] = we < min_p ? 0.f : we;
+    }
+}
+
+static int64_t sample_row(const void *x, int code, int64_t n, float t, float min_p, double u, double *cdf) {
+    /* max z = the clamped (max x) / t: a division by t > 0 and the clamp keep the order */
+    float mx = -INFINITY;
+    int nan = 0;
+    int64_t i = 0;
+    const int64_t n8 = n & ~(int64_t)7;
+#ifdef __AVX2__
+    __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+    for (; i < n8; i += 8) {
+        const __m256 v = code == 3 ? _mm256_loadu_ps((const float *)x + i) : bf16x8((const uint16_t *)x + i);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vmax = _mm256_max_ps(v, vmax);  /* a NaN v leaves vmax as it was; vnan has it */
+    }
+    float m8[8];
+    _mm256_storeu_ps(m8, vmax);
+    for (int l = 0; l < 8; l++) mx = m8[l] > mx ? m8[l] : mx;
+    nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+    for (; i < n; i++) {
+        const float v = sample_value(x, code, i);
+        nan |= v != v;
+        mx = v > mx ? v : mx;
+    }
+    if (nan || mx == -INFINITY) return -1;
+    const float m = mx / t > FLT_MAX ? FLT_MAX : mx / t;
+    const int64_t nb = (n + KVS_CDF_BLOCK - 1) / KVS_CDF_BLOCK;
+    float w[KVS_CDF_BLOCK];
+    double c = 0.0;
+    for (int64_t k = 0; k < nb; k++) {
+        const int64_t b0 = k * KVS_CDF_BLOCK, e = b0 + KVS_CDF_BLOCK < n ? b0 + KVS_CDF_BLOCK : n;
+        sample_weights(x, code, b0, e, n8, t, m, min_p, w);
+        double s = 0.0;
+        for (int64_t j = 0; j < e - b0; j++) s += (double)w[j];  /* vectorized (-fassociative-math) */
+        cdf[k] = c += s;
+    }
+    const double target = u * cdf[nb - 1];
+    int64_t k = 0;
+    while (k < nb - 1 && !(cdf[k] > target)) k++;
+    double run = k ? cdf[k - 1] : 0.0;
+    const int64_t b0 = k * KVS_CDF_BLOCK, e = b0 + KVS_CDF_BLOCK < n ? b0 + KVS_CDF_BLOCK : n;
+    sample_weights(x, code, b0, e, n8, t, m, min_p, w);
+    int64_t pos = KVS_CDF_BLOCK, first = -1, last = -1;
+    for (int64_t j = 0; j < e - b0; j++) {
+        if (w[j] == 0.f) continue;
+        if (first < 0) first = j;
+        last = j;
+        run += (double)w[j];
+        if (pos == KVS_CDF_BLOCK && run > target) pos = j;
+    }
+    if (first >= 0) pos = pos > last ? last : pos < first ? first : pos;
+    else pos = KVS_CDF_BLOCK - 1;
+    return b0 + pos < n - 1 ? b0 + pos : n - 1;
+}
+
+void kvs_sample_rows(const void *x, int code, int64_t n, const int64_t *row_ids, int64_t count,
+                     const float *temperature, const float *min_p, const double *u, int64_t *out) {
+    const size_t es = code == 3 ? sizeof(float) : sizeof(uint16_t);
+    const int64_t nb = (n + KVS_CDF_BLOCK - 1) / KVS_CDF_BLOCK;
+#pragma omp parallel for schedule(dynamic, 1) if (count > 1)
+    for (int64_t i = 0; i < count; i++) {
+        double *cdf = malloc(sizeof(double) * (size_t)nb);
+        out[i] = cdf ? sample_row((const char *)x + es * (size_t)row_ids[i] * (size_t)n, code, n, temperature[i],
+                                  min_p[i], u[i], cdf) : -1;
+        free(cdf);
     }
 }
 

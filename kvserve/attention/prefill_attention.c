@@ -335,11 +335,6 @@ static inline __m256 exp2_nonpos_avx2(__m256 x) {
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
 }
 
-/* 8 bfloat16 values as float32 (exact) */
-static inline __m256 bf16x8(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
 /* s[r][0 .. 16) = qf[r] · key j for PA_QK_ROWS rows of qf (row stride d) and the 16 keys of two 8-key
  * panels kt0, kt1 ([d][8] float32 each); s rows s_row apart */
 static inline __attribute__((always_inline)) void qk_tile(const float *qf, const float *kt0, const float *kt1,

@@ -10,8 +10,9 @@ Builds ``input_ids``, ``positions``, ``slot_mapping``, ``block_tables``, ``seq_l
 ``query_start_loc`` (on CPU, a step of one-token rows writes them into the tensors of the step before:
 ``_prepare_one_token``); computes logits only for sequences that sample this step. A decode step whose
 rows all want the plain greedy token runs the model's ``greedy_decode`` where it has one (Llama: the
-LM head and argmax inside the decode plan's one C call) instead of forward + LM head + sampler.
-Decides nothing about who runs.
+LM head and argmax inside the decode plan's one C call) instead of forward + LM head + sampler; any
+other decode-only step runs its ``decode_logits`` where it has one (the LM head in that call), then
+the sampler. Decides nothing about who runs.
 """
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ class ModelRunner:
         out = RunnerOutput()
         if self._fused_greedy(sched, input_ids, positions, layer_meta, out):
             return out
+        logits = self._fused_logits(sched, input_ids, positions, layer_meta)
+        if logits is not None:  # a decode step that samples, its LM head in the decode plan's C call
+            self._sample(sched, list(range(len(sched.scheduled))), logits, out)
+            return out
         hidden = self.model(input_ids, positions, self.kv_caches, layer_meta)  # [T, hidden]
         self._prompt_logprobs(sched, hidden, meta, out)
         self._verify(sched, hidden, meta, out)
@@ -82,11 +87,30 @@ class ModelRunner:
         else:
             last_token = meta.query_start_loc[1:] - 1  # [num_seqs] index of each sequence's last token
             logits = self.model.compute_logits(hidden[last_token[sample_idx]], float32=False)  # [N, vocab]
+        self._sample(sched, sample_idx, logits, out)
+        return out
+
+    def _sample(self, sched: SchedulerOutput, sample_idx: list[int], logits: torch.Tensor, out: RunnerOutput) -> None:
+        """Sample the scheduled rows ``sample_idx`` from ``logits`` [len(sample_idx), vocab] into ``out``."""
         rows = [self._row(sched.scheduled[i].request) for i in sample_idx]
         result = self.sampler(logits, rows)
         for i, tok, lp in zip(sample_idx, result.token_ids, result.logprobs):
             out.sampled[sched.scheduled[i].request.request_id] = (tok, lp)
-        return out
+
+    def _decode_only(self, sched: SchedulerOutput) -> bool:
+        """Every row decodes one token that it samples (no prefill chunk, no speculative proposals)."""
+        return all(s.sample and s.num_scheduled_tokens == 1 and not s.spec_token_ids and s.is_decoding
+                   for s in sched.scheduled)
+
+    def _fused_logits(self, sched: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor,
+                      layer_meta) -> torch.Tensor | None:
+        """A decode-only step on a model that can run its LM head in the decode step's one C call
+        (``decode_logits``): run it so and return the logits [B, vocab] (``compute_logits(...,
+        float32=False)``'s values); None, with nothing run, otherwise."""
+        decode_logits = getattr(self.model, "decode_logits", None)
+        if decode_logits is None or not self._decode_only(sched):
+            return None
+        return decode_logits(input_ids, positions, self.kv_caches, layer_meta)
 
     def _fused_greedy(self, sched: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor, layer_meta,
                       out: RunnerOutput) -> bool:
@@ -95,8 +119,7 @@ class ModelRunner:
         decode step's one C call (``greedy_decode``): run it so and fill ``out``. False, with nothing run,
         otherwise."""
         greedy_decode = getattr(self.model, "greedy_decode", None)
-        if greedy_decode is None or not all(s.sample and s.num_scheduled_tokens == 1 and not s.spec_token_ids
-                                            and s.is_decoding for s in sched.scheduled):
+        if greedy_decode is None or not self._decode_only(sched):
             return False
         if not all(plain_greedy(self._row(s.request)) for s in sched.scheduled):
             return False

@@ -153,6 +153,14 @@ class LlamaForCausalLM(nn.Module):
         plan = self._plan_for(kv_caches, meta, verify=False)
         return None if plan is None else plan.greedy(input_ids, positions, meta)
 
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                      meta: AttentionMetadata | Sequence[AttentionMetadata]) -> torch.Tensor | None:
+        """A decode step's logits [B, vocab], ``compute_logits(forward(...), float32=False)``'s values, with
+        the LM head in the decode plan's one C call (:meth:`LlamaDecodePlan.logits`; a view of a buffer the
+        next step overwrites). None, with nothing run, where :meth:`greedy_decode` would return None."""
+        plan = self._plan_for(kv_caches, meta, verify=False)
+        return None if plan is None else plan.logits(input_ids, positions, meta)
+
     def _plan_for(self, kv_caches: list[KVCache], meta: AttentionMetadata | Sequence[AttentionMetadata],
                   verify: bool) -> LlamaDecodePlan | None:
         """The decode plan where this step may run on it: one metadata for all layers, no sliding window,

@@ -19,7 +19,9 @@ times what it costs in a tight loop; this removes most of it.
 A plain greedy step (:meth:`LlamaDecodePlan.greedy`) also runs the LM head and the argmax in that one
 call when the head is int4 tiles, int8 rows or (float32 model) a dense float32 matrix: the same kernels on
 the same input as ``compute_logits`` and the greedy sampler, so the same token ids (tested), without the
-return to Python, the head's own fork and join and the logits tensor in between.
+return to Python, the head's own fork and join and the logits tensor in between. A step that samples
+(:meth:`LlamaDecodePlan.logits`) runs the head there too and returns its logits, the values
+``compute_logits(plan(...), float32=False)`` gives (tested), for the sampler.
 """
 from __future__ import annotations
 
@@ -136,6 +138,7 @@ class LlamaDecodePlan:
         self._object_addrs = torch.tensor(_object_addresses(self._pinned), dtype=torch.int64)
         self._token_ids = torch.empty(1, dtype=torch.int64)  # greedy(): the C call's output, [max B seen]
         self._token_ids_np = self._token_ids.numpy()
+        self._logits: torch.Tensor | None = None  # logits(): the C call's output, [max B seen, vocab]
 
     @staticmethod
     def build(model, kv_caches) -> "LlamaDecodePlan | None":
@@ -165,7 +168,7 @@ class LlamaDecodePlan:
         where the head has no kernel there (see ``lm_head``) or the step has too many rows for it."""
         self._follow_storage()
         B = input_ids.shape[0]
-        if self.lm_head is None or B >= self.lm_head_rows:
+        if not self._head_in_call(B):
             return None
         if self._token_ids.shape[0] < B:  # kept between steps: a fresh tensor costs ~35 µs on a cold step
             self._token_ids = torch.empty(B, dtype=torch.int64)
@@ -173,6 +176,29 @@ class LlamaDecodePlan:
         self._step(input_ids, positions, meta, self._token_ids)  # the C call writes the first B
         self._warm_objects()
         return self._token_ids_np[:B].tolist()
+
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The step and its logits [B, vocab] (bfloat16; float32 for a dense float32 head), with the LM head
+        in the same C call as the layers: ``compute_logits(plan(...), float32=False)``'s values, for a
+        step that samples (SmolLM2 int4: the head as a module call cost ~0.75 ms a step at 128 tokens
+        against ~0.45 ms inside the call). The tensor is a view of a buffer the next call overwrites: use
+        it before then. None, with nothing run, where :meth:`greedy` would return None."""
+        self._follow_storage()
+        B = input_ids.shape[0]
+        if not self._head_in_call(B):
+            return None
+        vocab = self._lm_args[3]
+        dtype = torch.float32 if self._lm_args[1] == 1 else torch.bfloat16
+        if self._logits is None or self._logits.shape[0] < B:  # kept between steps, like _token_ids
+            self._logits = torch.empty(B, vocab, dtype=dtype)
+        out = self._logits[:B]
+        self._step(input_ids, positions, meta, logits=out)
+        self._warm_objects()
+        return out
+
+    def _head_in_call(self, B: int) -> bool:
+        """A step of B rows runs as the one C call with the LM head in it."""
+        return self.lm_head is not None and self.one_call_layers is not None and B < self.lm_head_rows
 
     def _follow_storage(self) -> None:
         if [t.data_ptr() for t in self._pinned] != self._pinned_ptrs:  # new weight storage: new pointers
@@ -185,8 +211,9 @@ class LlamaDecodePlan:
         self.dll.kvs_prefetch_lines(addrs.data_ptr(), addrs.shape[0], OBJECT_BYTES)
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-              token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """token_ids: [≥ B] int64 for the greedy tokens (the LM head in the one C call), or None."""
+              token_ids: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> torch.Tensor | None:
+        """token_ids: [≥ B] int64 for the greedy tokens, or logits: [B, vocab] contiguous for the LM head's
+        output (either: the LM head in the one C call, which must apply); else None (the hidden states)."""
         dll, H, Hkv, d, n, inter, eps = self.dll, self.H, self.Hkv, self.d, self.hidden, self.inter, self.eps
         B = input_ids.shape[0]
         act, cc, nt = ACT_CODES[self.embed.dtype], self.cache_code, torch.get_num_threads()
@@ -195,7 +222,8 @@ class LlamaDecodePlan:
             # the ids as int64 (F.embedding also takes int32 ids)
             gather = self._embed_contiguous and input_ids.dtype == torch.int64 and input_ids.is_contiguous()
             x = None if gather else F.embedding(input_ids, self.embed)
-            out = torch.empty(B, n, dtype=self.embed.dtype) if token_ids is None else None  # greedy: ids only
+            head = token_ids is not None or logits is not None
+            out = None if head else torch.empty(B, n, dtype=self.embed.dtype)  # with the head: ids or logits only
             tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
             rc = dll.kvs_llama_decode(self.one_call_layers.data_ptr(), len(self.layers), self.one_call_kind,
                                       self.norm_code, None if x is None else x.data_ptr(), self.embed.data_ptr(),
@@ -204,8 +232,9 @@ class LlamaDecodePlan:
                                       tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
                                       self.final_norm.data_ptr(), None if out is None else out.data_ptr(), B, n, H,
                                       Hkv, d, inter, eps, self.scale, self.block_size, act, cc, nt,
-                                      *((None, -1, None, 0, None) if token_ids is None
-                                        else (*self._lm_args, token_ids.data_ptr())))
+                                      *((None, -1, None, 0, None, None) if not head
+                                        else (*self._lm_args, None if token_ids is None else token_ids.data_ptr(),
+                                              None if logits is None else logits.data_ptr())))
             if rc:
                 raise IndexError(f"input_ids: a token id outside [0, {self.embed.shape[0]}) (the embedding's rows)")
             return out
