@@ -389,7 +389,8 @@ def test_sampled_step_with_the_lm_head_in_the_one_call_gives_the_module_path_tok
     """A decode step that samples runs the LM head inside the one C call (LlamaDecodePlan.logits) and
     hands its logits to the sampler: seeded rows (temperature, min-p, top-p, logprobs) draw the same
     tokens with the same logprobs as on the module path (forward, compute_logits, sampler), and the
-    plan ran every decode step."""
+    plan ran every decode step. A batch of greedy and temperature / min-p rows draws in the call too
+    (LlamaDecodePlan.sample): the module path's tokens, also where a row is left to the PyTorch path."""
     if (int4_kernel() if weight_dtype == "int4" else gemv_kernel()) is None:
         pytest.skip("kvserve's int4 kernel needs AVX512-BF16 or AVX2 and cc; the dense GEMV AVX-512 or AVX2 and cc")
     from kvserve import SamplingParams
@@ -402,34 +403,47 @@ def test_sampled_step_with_the_lm_head_in_the_one_call_gives_the_module_path_tok
               SamplingParams(max_tokens=7, temperature=1.3, min_p=0.05, seed=2, ignore_eos=True),
               SamplingParams(max_tokens=7, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=7, temperature=1.0, seed=4, logprobs=2, ignore_eos=True)]
+    # temperature and min-p rows beside greedy ones (top_k=1 is greedy at any temperature): the draws in
+    # the call too (LlamaDecodePlan.sample)
+    plain = [SamplingParams(max_tokens=7, temperature=0.8, seed=1, ignore_eos=True),
+             SamplingParams(max_tokens=7, temperature=1.3, min_p=0.05, seed=2, ignore_eos=True),
+             SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+             SamplingParams(max_tokens=7, temperature=1.0, top_k=1, ignore_eos=True)]
     runs = []
-    for fused in (True, False):
+    for fused in ("logits", "sample", "sample, row 0 left to torch", None):
         llm = tiny_llm(dtype=dtype, weight_dtype=weight_dtype, max_num_batched_tokens=512, enable_prefix_caching=False,
                        dummy_config=DUMMY_PRESETS["tiny-llama"].replace(tie_word_embeddings=tied))
         runner = llm.engine.runner
         if int8_head:
             runner.model.lm_head = Int8Linear(runner.model.lm_head.dequantize())
-        if not fused:
+        if fused is None:
             runner._fused_logits = lambda *a: None
+            runner._fused_sample = lambda *a: False
+        method = "logits" if fused in ("logits", None) else "sample"
         calls = []
-        orig = LlamaDecodePlan.logits
+        orig = getattr(LlamaDecodePlan, method)
 
-        def counted(self, *a):
+        def counted(self, *a, fused=fused, orig=orig):
             calls.append(orig(self, *a))
+            if fused == "sample, row 0 left to torch":  # as for a NaN row: the runner's PyTorch draw, same u
+                calls[-1][0][0] = -1
             return calls[-1]
         try:
-            LlamaDecodePlan.logits = counted
-            outs = llm.generate(prompts, params)
+            setattr(LlamaDecodePlan, method, counted)
+            outs = llm.generate(prompts, params if method == "logits" else plain)
         finally:
-            LlamaDecodePlan.logits = orig
+            setattr(LlamaDecodePlan, method, orig)
         if fused:  # one prefill step, then 6 decode steps on the C call's head
             assert len(calls) == 6 and all(c is not None for c in calls)
         else:
             assert calls == []
+            outs_plain = llm.generate(prompts, plain)
         runs.append([(o.outputs[0].token_ids, [(lp.token_id, lp.logprob, lp.top_token_ids)
                                                 for lp in o.outputs[0].logprobs or []]) for o in outs])
-    assert runs[0] == runs[1]
-    assert len(set(runs[0][0][0])) > 1  # it sampled
+    logits_run, sample_run, fallback_run, module_run = runs
+    assert logits_run == module_run
+    assert sample_run == fallback_run == [(o.outputs[0].token_ids, []) for o in outs_plain]
+    assert len(set(logits_run[0][0])) > 1 and len(set(sample_run[0][0])) > 1  # they sampled
 
 
 @pytest.mark.parametrize("dtype,weight_dtype,kv_dtype,lens", [

@@ -360,12 +360,15 @@ static void linear_team(int kind, const void *x, int64_t M, int K, const void *w
  * lm_head (NULL: none): the LM head, a [V, n] matrix of kind lm_kind (as kind above; lm_scales: its row
  * scales for int8, else NULL), multiplied with out in the same parallel region (no fork and join, no
  * return to Python between the last layer and the logits) into logits_out [B, V] (bfloat16, float32 for
- * a dense head; NULL: a buffer of its own), then, unless token_ids is NULL (a step that samples), a
- * greedy step's token_ids[b] = kvs_argmax_rows of row b of the logits: the same kernels, with the same
- * inputs, as the LM head module and the greedy sampler run. A packed head (int4, int8) of a float32 model
+ * a dense head; NULL: a buffer of its own), then, unless token_ids is NULL (the caller samples from the
+ * logits), token_ids[b] = kvs_argmax_rows of row b of the logits, or where temperature (NULL: none) has
+ * temperature[b] > 0 the draw of kvs_sample_rows with temperature[b], min_p[b] and u[b] (-1: the row
+ * holds a NaN or only -inf): the same kernels, with the same inputs, as the LM head module and the
+ * sampler run. A packed head (int4, int8) of a float32 model
  * (act 3) takes out rounded to bfloat16, as Int4Linear and Int8Linear cast their input; a dense head
  * needs act 3. out may be NULL only with lm_head given. */
 void kvs_argmax_rows(const void *x, int code, int64_t rows, int64_t n, int64_t *out);
+static int64_t sample_one(const void *x, int code, int64_t n, float t, float min_p, double u);
 
 int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void *x, const void *embed,
                      int64_t vocab, const int64_t *input_ids, const int64_t *positions,
@@ -373,7 +376,8 @@ int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void
                      const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
                      const void *final_norm, void *out, int B, int n, int H, int Hkv, int d, int I, float eps,
                      float scale, int bs, int act, int cache_code, int num_threads, const void *lm_head,
-                     int lm_kind, const void *lm_scales, int V, int64_t *token_ids, void *logits_out) {
+                     int lm_kind, const void *lm_scales, int V, int64_t *token_ids, void *logits_out,
+                     const float *temperature, const float *min_p, const double *u) {
     const int W = (H + 2 * Hkv) * d, Kmax = n > I ? (n > H * d ? n : H * d) : (I > H * d ? I : H * d);
     const int mc = kind == 1 ? 3 : 4;  /* the matmuls' input and output dtype */
     const size_t es = mc == 3 ? sizeof(float) : sizeof(uint16_t);
@@ -435,8 +439,13 @@ int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void
                         xsum);  /* ends with a barrier */
             if (token_ids) {
 #pragma omp for schedule(static)
-                for (int b = 0; b < B; b++)
-                    kvs_argmax_rows((const char *)logits + les * (size_t)b * V, lm_code, 1, V, token_ids + b);
+                for (int b = 0; b < B; b++) {
+                    const char *row = (const char *)logits + les * (size_t)b * V;
+                    if (temperature && temperature[b] > 0.f)
+                        token_ids[b] = sample_one(row, lm_code, V, temperature[b], min_p[b], u[b]);
+                    else
+                        kvs_argmax_rows(row, lm_code, 1, V, token_ids + b);
+                }
             }
         }
     }
@@ -610,17 +619,20 @@ static int64_t sample_row(const void *x, int code, int64_t n, float t, float min
     return b0 + pos < n - 1 ? b0 + pos : n - 1;
 }
 
+static int64_t sample_one(const void *x, int code, int64_t n, float t, float min_p, double u) {
+    double *cdf = malloc(sizeof(double) * (size_t)((n + KVS_CDF_BLOCK - 1) / KVS_CDF_BLOCK));
+    const int64_t tok = cdf ? sample_row(x, code, n, t, min_p, u, cdf) : -1;
+    free(cdf);
+    return tok;
+}
+
 void kvs_sample_rows(const void *x, int code, int64_t n, const int64_t *row_ids, int64_t count,
                      const float *temperature, const float *min_p, const double *u, int64_t *out) {
     const size_t es = code == 3 ? sizeof(float) : sizeof(uint16_t);
-    const int64_t nb = (n + KVS_CDF_BLOCK - 1) / KVS_CDF_BLOCK;
 #pragma omp parallel for schedule(dynamic, 1) if (count > 1)
-    for (int64_t i = 0; i < count; i++) {
-        double *cdf = malloc(sizeof(double) * (size_t)nb);
-        out[i] = cdf ? sample_row((const char *)x + es * (size_t)row_ids[i] * (size_t)n, code, n, temperature[i],
-                                  min_p[i], u[i], cdf) : -1;
-        free(cdf);
-    }
+    for (int64_t i = 0; i < count; i++)
+        out[i] = sample_one((const char *)x + es * (size_t)row_ids[i] * (size_t)n, code, n, temperature[i], min_p[i],
+                            u[i]);
 }
 
 /* Ask for the bytes_each bytes from each of the n addresses into the caches (prefetcht0; a prefetch never

@@ -11,17 +11,20 @@ Builds ``input_ids``, ``positions``, ``slot_mapping``, ``block_tables``, ``seq_l
 ``_prepare_one_token``); computes logits only for sequences that sample this step. A decode step whose
 rows all want the plain greedy token runs the model's ``greedy_decode`` where it has one (Llama: the
 LM head and argmax inside the decode plan's one C call) instead of forward + LM head + sampler; any
-other decode-only step runs its ``decode_logits`` where it has one (the LM head in that call), then
-the sampler. Decides nothing about who runs.
+step whose rows are greedy or sample with temperature and min-p alone runs ``decode_sample`` (the
+sampling in that call too); any other decode-only step runs ``decode_logits`` where it has one (the LM
+head in that call), then the sampler. Decides nothing about who runs.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvserve import memory
 from kvserve.attention import AttentionMetadata
 from kvserve.attention.kv_quant import QuantizedKVCache, kind_of_dtype
-from kvserve.engine.sampler import Sampler, SamplingRow, plain_greedy, token_logprobs
+from kvserve.engine.sampler import (Sampler, SamplingRow, draw_uniforms, plain_greedy, plain_sampled, sample_from_probs,
+                                    sampling_probs, token_logprobs)
 from kvserve.engine.scheduler import RunnerOutput, SchedulerOutput
 from kvserve.spec_decode.verify import verify
 from kvserve.kv_cache.spec import KVCacheSpec
@@ -72,6 +75,8 @@ class ModelRunner:
         out = RunnerOutput()
         if self._fused_greedy(sched, input_ids, positions, layer_meta, out):
             return out
+        if self._fused_sample(sched, input_ids, positions, layer_meta, out):
+            return out
         logits = self._fused_logits(sched, input_ids, positions, layer_meta)
         if logits is not None:  # a decode step that samples, its LM head in the decode plan's C call
             self._sample(sched, list(range(len(sched.scheduled))), logits, out)
@@ -101,6 +106,43 @@ class ModelRunner:
         """Every row decodes one token that it samples (no prefill chunk, no speculative proposals)."""
         return all(s.sample and s.num_scheduled_tokens == 1 and not s.spec_token_ids and s.is_decoding
                    for s in sched.scheduled)
+
+    def _fused_sample(self, sched: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor, layer_meta,
+                      out: RunnerOutput) -> bool:
+        """A decode step whose every row is plain greedy or samples with temperature and min-p alone
+        (``plain_sampled``) on a model that can take it with the LM head and the sampling in its decode
+        step's one C call (``decode_sample``): run it so and fill ``out``. Each sampled row's u is drawn
+        as the sampler draws it (``draw_uniforms``), only once the step is sure to run; a row the kernel
+        leaves to the PyTorch path (logits with a NaN or only -inf) gets that path's draw for the same u.
+        False, with nothing run and nothing drawn, otherwise."""
+        decode_sample = getattr(self.model, "decode_sample", None)
+        if decode_sample is None or not self._decode_only(sched):
+            return False
+        rows = [self._row(s.request) for s in sched.scheduled]
+        if not all(plain_greedy(r) or plain_sampled(r) for r in rows):
+            return False
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        u = np.zeros(len(rows), dtype=np.float64)
+
+        def draw() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            temperature, min_p = np.zeros(len(rows), dtype=np.float32), np.zeros(len(rows), dtype=np.float32)
+            if sampled:
+                temperature[sampled] = [rows[i].params.temperature for i in sampled]
+                min_p[sampled] = [rows[i].params.min_p for i in sampled]
+                u[sampled] = draw_uniforms([rows[i].generator for i in sampled]).numpy()
+            return temperature, min_p, u
+        result = decode_sample(input_ids, positions, self.kv_caches, layer_meta, draw)
+        if result is None:
+            return False
+        token_ids, logits = result
+        left = [i for i, t in enumerate(token_ids) if t < 0]
+        if left:  # the PyTorch path's draw for those rows, with the same u
+            probs = sampling_probs(logits[left].float(), [rows[i].params for i in left])
+            for i, t in zip(left, sample_from_probs(probs, [None] * len(left), torch.from_numpy(u[left])).tolist()):
+                token_ids[i] = t
+        for s, tok in zip(sched.scheduled, token_ids):
+            out.sampled[s.request.request_id] = (tok, None)
+        return True
 
     def _fused_logits(self, sched: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor,
                       layer_meta) -> torch.Tensor | None:

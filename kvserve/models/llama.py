@@ -6,8 +6,9 @@ Q/K/V and gate/up projections are fused into one matmul each.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -152,6 +153,16 @@ class LlamaForCausalLM(nn.Module):
         path does not apply: then ``forward`` and ``compute_logits`` give the same ids."""
         plan = self._plan_for(kv_caches, meta, verify=False)
         return None if plan is None else plan.greedy(input_ids, positions, meta)
+
+    def decode_sample(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                      meta: AttentionMetadata | Sequence[AttentionMetadata],
+                      draw: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]]
+                      ) -> tuple[list[int], torch.Tensor] | None:
+        """A decode step whose rows are greedy or sample with temperature and min-p alone, its LM head and
+        sampling in the decode plan's one C call (:meth:`LlamaDecodePlan.sample`, which says what ``draw``
+        gives): (ids, logits). None, with nothing run, where :meth:`greedy_decode` would return None."""
+        plan = self._plan_for(kv_caches, meta, verify=False)
+        return None if plan is None else plan.sample(input_ids, positions, meta, draw)
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                       meta: AttentionMetadata | Sequence[AttentionMetadata]) -> torch.Tensor | None:

@@ -21,10 +21,15 @@ call when the head is int4 tiles, int8 rows or (float32 model) a dense float32 m
 the same input as ``compute_logits`` and the greedy sampler, so the same token ids (tested), without the
 return to Python, the head's own fork and join and the logits tensor in between. A step that samples
 (:meth:`LlamaDecodePlan.logits`) runs the head there too and returns its logits, the values
-``compute_logits(plan(...), float32=False)`` gives (tested), for the sampler.
+``compute_logits(plan(...), float32=False)`` gives (tested), for the sampler; where every row is greedy
+or samples with temperature and min-p alone, :meth:`LlamaDecodePlan.sample` draws the tokens in the
+call too (the sampler's kernel), and only the ids come back.
 """
 from __future__ import annotations
 
+from typing import Callable
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -170,12 +175,35 @@ class LlamaDecodePlan:
         B = input_ids.shape[0]
         if not self._head_in_call(B):
             return None
-        if self._token_ids.shape[0] < B:  # kept between steps: a fresh tensor costs ~35 µs on a cold step
-            self._token_ids = torch.empty(B, dtype=torch.int64)
-            self._token_ids_np = self._token_ids.numpy()
+        self._reserve_token_ids(B)
         self._step(input_ids, positions, meta, self._token_ids)  # the C call writes the first B
         self._warm_objects()
         return self._token_ids_np[:B].tolist()
+
+    def sample(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               draw: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[list[int], torch.Tensor] | None:
+        """The step and each row's next token with the LM head and the sampling in the same C call, for a
+        step whose rows are greedy or sample with temperature and min-p alone. ``draw()`` is called once
+        the step is sure to run and returns per row temperature (float32 [B], 0: greedy), min-p (float32
+        [B]) and u (float64 [B]): a greedy row gets the id :meth:`greedy` gives, a sampled row the
+        draw of the sampler's ``kvs_sample_rows`` for that u (-1 for logits with a NaN or only -inf,
+        which the caller decides from the logits). Returns (ids, logits [B, vocab] as :meth:`logits`
+        returns them); None, with nothing run and ``draw`` not called, where :meth:`greedy` would return
+        None."""
+        self._follow_storage()
+        B = input_ids.shape[0]
+        if not self._head_in_call(B):
+            return None
+        temperature, min_p, u = (np.ascontiguousarray(a, dtype=t) for a, t in
+                                 zip(draw(), (np.float32, np.float32, np.float64)))
+        if not temperature.shape == min_p.shape == u.shape == (B,):
+            raise ValueError(f"draw() must give 3 arrays of shape ({B},), got {temperature.shape}, {min_p.shape}, "
+                             f"{u.shape}")
+        self._reserve_token_ids(B)
+        logits = self._logits_buffer(B)
+        self._step(input_ids, positions, meta, self._token_ids, logits, (temperature, min_p, u))
+        self._warm_objects()
+        return self._token_ids_np[:B].tolist(), logits
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """The step and its logits [B, vocab] (bfloat16; float32 for a dense float32 head), with the LM head
@@ -187,14 +215,22 @@ class LlamaDecodePlan:
         B = input_ids.shape[0]
         if not self._head_in_call(B):
             return None
-        vocab = self._lm_args[3]
-        dtype = torch.float32 if self._lm_args[1] == 1 else torch.bfloat16
-        if self._logits is None or self._logits.shape[0] < B:  # kept between steps, like _token_ids
-            self._logits = torch.empty(B, vocab, dtype=dtype)
-        out = self._logits[:B]
+        out = self._logits_buffer(B)
         self._step(input_ids, positions, meta, logits=out)
         self._warm_objects()
         return out
+
+    def _reserve_token_ids(self, B: int) -> None:
+        if self._token_ids.shape[0] < B:  # kept between steps: a fresh tensor costs ~35 µs on a cold step
+            self._token_ids = torch.empty(B, dtype=torch.int64)
+            self._token_ids_np = self._token_ids.numpy()
+
+    def _logits_buffer(self, B: int) -> torch.Tensor:
+        """[B, vocab] in the head's output dtype: the first B rows of a buffer kept between steps."""
+        if self._logits is None or self._logits.shape[0] < B:
+            dtype = torch.float32 if self._lm_args[1] == 1 else torch.bfloat16
+            self._logits = torch.empty(B, self._lm_args[3], dtype=dtype)
+        return self._logits[:B]
 
     def _head_in_call(self, B: int) -> bool:
         """A step of B rows runs as the one C call with the LM head in it."""
@@ -211,9 +247,11 @@ class LlamaDecodePlan:
         self.dll.kvs_prefetch_lines(addrs.data_ptr(), addrs.shape[0], OBJECT_BYTES)
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-              token_ids: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> torch.Tensor | None:
-        """token_ids: [≥ B] int64 for the greedy tokens, or logits: [B, vocab] contiguous for the LM head's
-        output (either: the LM head in the one C call, which must apply); else None (the hidden states)."""
+              token_ids: torch.Tensor | None = None, logits: torch.Tensor | None = None,
+              sampling: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> torch.Tensor | None:
+        """token_ids: [≥ B] int64 for the next tokens (greedy, or drawn with ``sampling``'s temperature, min-p
+        and u per row), and/or logits: [B, vocab] contiguous for the LM head's output (either: the LM head
+        in the one C call, which must apply); else None (the hidden states)."""
         dll, H, Hkv, d, n, inter, eps = self.dll, self.H, self.Hkv, self.d, self.hidden, self.inter, self.eps
         B = input_ids.shape[0]
         act, cc, nt = ACT_CODES[self.embed.dtype], self.cache_code, torch.get_num_threads()
@@ -234,7 +272,8 @@ class LlamaDecodePlan:
                                       Hkv, d, inter, eps, self.scale, self.block_size, act, cc, nt,
                                       *((None, -1, None, 0, None, None) if not head
                                         else (*self._lm_args, None if token_ids is None else token_ids.data_ptr(),
-                                              None if logits is None else logits.data_ptr())))
+                                              None if logits is None else logits.data_ptr())),
+                                      *((None, None, None) if sampling is None else (a.ctypes.data for a in sampling)))
             if rc:
                 raise IndexError(f"input_ids: a token id outside [0, {self.embed.shape[0]}) (the embedding's rows)")
             return out
