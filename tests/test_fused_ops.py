@@ -389,8 +389,9 @@ def test_sampled_step_with_the_lm_head_in_the_one_call_gives_the_module_path_tok
     """A decode step that samples runs the LM head inside the one C call (LlamaDecodePlan.logits) and
     hands its logits to the sampler: seeded rows (temperature, min-p, top-p, logprobs) draw the same
     tokens with the same logprobs as on the module path (forward, compute_logits, sampler), and the
-    plan ran every decode step. A batch of greedy and temperature / min-p rows draws in the call too
-    (LlamaDecodePlan.sample): the module path's tokens, also where a row is left to the PyTorch path."""
+    plan ran every decode step. A batch of greedy rows and rows that sample without logprobs draws in the
+    call too (LlamaDecodePlan.sample): the module path's tokens, also where a row is left to the PyTorch
+    path."""
     if (int4_kernel() if weight_dtype == "int4" else gemv_kernel()) is None:
         pytest.skip("kvserve's int4 kernel needs AVX512-BF16 or AVX2 and cc; the dense GEMV AVX-512 or AVX2 and cc")
     from kvserve import SamplingParams
@@ -401,12 +402,13 @@ def test_sampled_step_with_the_lm_head_in_the_one_call_gives_the_module_path_tok
     prompts = [list(range(3, 3 + n)) for n in (1, 17, 70, 300)]
     params = [SamplingParams(max_tokens=7, temperature=0.8, seed=1, ignore_eos=True),
               SamplingParams(max_tokens=7, temperature=1.3, min_p=0.05, seed=2, ignore_eos=True),
-              SamplingParams(max_tokens=7, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True,
+                             presence_penalty=0.4),
               SamplingParams(max_tokens=7, temperature=1.0, seed=4, logprobs=2, ignore_eos=True)]
-    # temperature and min-p rows beside greedy ones (top_k=1 is greedy at any temperature): the draws in
-    # the call too (LlamaDecodePlan.sample)
-    plain = [SamplingParams(max_tokens=7, temperature=0.8, seed=1, ignore_eos=True),
-             SamplingParams(max_tokens=7, temperature=1.3, min_p=0.05, seed=2, ignore_eos=True),
+    # temperature, top-k, top-p and min-p rows beside greedy ones (top_k=1 is greedy at any temperature):
+    # the draws in the call too (LlamaDecodePlan.sample)
+    plain = [SamplingParams(max_tokens=7, temperature=0.8, top_k=20, seed=1, ignore_eos=True),
+             SamplingParams(max_tokens=7, temperature=1.3, top_p=0.7, min_p=0.05, seed=2, ignore_eos=True),
              SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
              SamplingParams(max_tokens=7, temperature=1.0, top_k=1, ignore_eos=True)]
     runs = []

@@ -414,57 +414,79 @@ def _kernel_or_skip():
         pytest.skip("no compiled kernel (no C compiler, or KVSERVE_NO_KV_KERNEL)")
 
 
-def float64_inverse_cdf(logits: torch.Tensor, t: float, min_p: float, u: float) -> tuple[int, float]:
-    """The reference draw in float64: softmax(logits / t), tokens below min_p × the top probability set
-    to 0, the first token whose cumulative probability exceeds u × the total. Also the distance from
-    u × total to the nearest cumulative boundary, relative to the total (rounding decides a draw that
-    close)."""
-    p = torch.softmax(logits.double() / t, dim=-1)
-    p = torch.where(p < min_p * p.max(), torch.zeros_like(p), p)
-    cdf = p.cumsum(-1)
+def inverse_cdf(probs: list[float], u: float) -> tuple[int, float]:
+    """The first token whose cumulative probability (float64, in id order) exceeds u × the total, and the
+    distance from u × total to the nearest cumulative boundary relative to the total (rounding decides a
+    draw that close)."""
+    cdf = torch.tensor(probs, dtype=torch.float64).cumsum(-1)
     target = u * float(cdf[-1])
-    tok = int((cdf <= target).sum())
-    return tok, float((cdf - target).abs().min() / cdf[-1])
+    return int((cdf <= target).sum()), float((cdf - target).abs().min() / cdf[-1])
 
 
-@pytest.mark.parametrize("vocab", [8, 255, 256, 257, 1000, 49152])
+SAMPLING_SETTINGS = [(t, k, p, mp) for t in (0.25, 1.0, 1.9) for k, p, mp in
+                     [(0, 1.0, 0.0), (0, 1.0, 0.05), (40, 1.0, 0.0), (0, 0.9, 0.0), (7, 0.8, 0.1), (0, 0.5, 0.0)]]
+
+
+@pytest.mark.parametrize("vocab", [8, 255, 256, 257, 3000, 49152])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sampling_kernel_matches_a_float64_inverse_cdf(vocab, dtype):
-    """kvs_sample_rows against the float64 reference, rows of several temperatures and min-p (vocabularies
-    around the 256-token blocks and SmolLM2's), float32 and bfloat16 logits: the same token wherever the
-    target is not within 1e-6 of a boundary (where rounding may decide it either way)."""
+    """kvs_sample_rows against the plain-Python reference's probabilities (temperature, top-k, top-p,
+    min-p) and a float64 inverse CDF, for vocabularies around the 256-token blocks and SmolLM2's, float32
+    and bfloat16 logits (bfloat16 ties many logits, also at the top-k and top-p edges): the same token
+    wherever the target is not within 1e-6 of a boundary (where rounding may decide it either way)."""
     from kvserve.engine.sampler import sample_plain_rows
     _kernel_or_skip()
     g = torch.Generator().manual_seed(vocab)
-    settings = [(t, mp) for t in (0.25, 1.0, 1.9) for mp in (0.0, 0.05)] * 4
-    logits = (torch.randn(len(settings), vocab, generator=g) * 3).to(dtype)
-    u = torch.rand(len(settings), generator=g, dtype=torch.float64)
-    params = [SamplingParams(temperature=t, min_p=mp) for t, mp in settings]
-    got = sample_plain_rows(logits, list(range(len(settings))), params, u)
+    logits = (torch.randn(len(SAMPLING_SETTINGS), vocab, generator=g) * 3).to(dtype)
+    u = torch.rand(len(SAMPLING_SETTINGS), generator=g, dtype=torch.float64)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=mp) for t, k, p, mp in SAMPLING_SETTINGS]
+    got = sample_plain_rows(logits, list(range(len(params))), params, u)
     checked = 0
-    for r, (t, mp) in enumerate(settings):
-        want, margin = float64_inverse_cdf(logits[r].float(), t, mp, float(u[r]))
+    for r, (t, k, p, mp) in enumerate(SAMPLING_SETTINGS):
+        want, margin = inverse_cdf(reference_probs(logits[r].float().tolist(), t, k, p, mp), float(u[r]))
         if margin > 1e-6:
-            assert got[r] == want, (r, t, mp, got[r], want)
+            assert got[r] == want, (r, t, k, p, mp, got[r], want)
             checked += 1
-    assert checked >= len(settings) - 2
+    assert checked >= len(params) - 2
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 0.9, 0.0), (0, 0.5, 0.0), (3, 1.0, 0.0), (4, 0.7, 0.0),
+                                                (0, 0.95, 0.05), (1100, 0.985, 0.0), (1023, 1.0, 0.0)])
+def test_sampling_kernel_keeps_the_reference_set_at_ties(top_k, top_p, min_p):
+    """The rows whose top-k edge is a tie spread over ids or whose nucleus ends inside 1,100 tied tokens
+    (_vocab_cases): across 400 values of u the kernel draws exactly the tokens, with the frequencies, of the
+    inverse CDF over the plain-Python reference's probabilities (so the same kept set, lower ids first at
+    the edge)."""
+    from kvserve.engine.sampler import sample_plain_rows
+    _kernel_or_skip()
+    logits = _vocab_cases()
+    params = SamplingParams(top_k=top_k, top_p=top_p, min_p=min_p)
+    us = (torch.arange(400, dtype=torch.float64) + 0.5) / 400
+    for r in range(logits.shape[0]):
+        probs = reference_probs(logits[r].tolist(), 1.0, top_k, top_p, min_p)
+        got = sample_plain_rows(logits[r:r + 1], [0] * len(us), [params] * len(us), us)
+        want = [inverse_cdf(probs, float(x)) for x in us]
+        assert [g for g, (w, m) in zip(got, want) if m > 1e-6] == [w for w, m in want if m > 1e-6], r
+        assert {g for g in got} <= {i for i, q in enumerate(probs) if q > 0}, r
 
 
 def test_sampler_draws_the_same_tokens_with_and_without_the_kernel(monkeypatch):
-    """Seeded and unseeded temperature / min-p rows beside a top-p row: the Sampler on the kernel gives
-    the tokens of its PyTorch path (sampling_probs + sample_from_probs) for the same seeds."""
+    """Seeded and unseeded temperature, top-k, top-p and min-p rows (one with a penalty: the processed
+    logits) on bfloat16 logits: the Sampler on the kernel gives the tokens of its PyTorch path
+    (sampling_probs + sample_from_probs) for the same seeds."""
     import kvserve.engine.sampler as sampler_mod
     _kernel_or_skip()
     g = torch.Generator().manual_seed(5)
-    steps = [torch.randn(6, 3000, generator=g) * 2 for _ in range(8)]
+    steps = [torch.randn(7, 3000, generator=g).to(torch.bfloat16) * 2 for _ in range(8)]  # ties at the edges
 
     def run() -> list[list[int]]:
-        gens = [torch.Generator().manual_seed(40 + i) for i in range(5)]
+        gens = [torch.Generator().manual_seed(40 + i) for i in range(7)]
         torch.manual_seed(99)
         params = [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.3, min_p=0.02, seed=2),
                   SamplingParams(temperature=1.0), SamplingParams(top_p=0.9, seed=3),
-                  SamplingParams(temperature=0.5, seed=4), SamplingParams(temperature=1.0, min_p=0.1)]
-        rows = [SamplingRow(p, gens[i] if p.seed is not None else None, [], [], ()) for i, p in enumerate(params)]
+                  SamplingParams(temperature=0.5, top_k=20, seed=4), SamplingParams(temperature=1.0, min_p=0.1),
+                  SamplingParams(temperature=0.8, top_k=50, top_p=0.7, presence_penalty=0.5, seed=5)]
+        rows = [SamplingRow(p, gens[i] if p.seed is not None else None, [], [1, 2, 3], ()) for i, p in enumerate(params)]
         return [Sampler()(x, rows).token_ids for x in steps]
 
     with_kernel = run()

@@ -115,11 +115,11 @@ def load() -> ctypes.CDLL | None:
                                          i32]
     dll.kvs_int4_linear.argtypes = [p, i64, i32, p, i32, p, i32, i32]
     dll.kvs_llama_decode.argtypes = [p, i32, i32, i32, p, p, i64, p, p, p, p, p, p, i64, p, p, p, i32, i32, i32, i32, i32, i32,
-                                     f32, f32, i32, i32, i32, i32, p, i32, p, i32, p, p, p, p, p]
+                                     f32, f32, i32, i32, i32, i32, p, i32, p, i32, p, p, p, p, p, p, p]
     dll.kvs_dense_linear.argtypes = [p, i64, i32, p, i32, p, i32, p, i32]
     dll.kvs_argmax_rows.argtypes = [p, i32, i64, i64, p]
     dll.kvs_prefetch_lines.argtypes = [p, i64, i64]
-    dll.kvs_sample_rows.argtypes = [p, i32, i64, p, i64, p, p, p, p]
+    dll.kvs_sample_rows.argtypes = [p, i32, i64, p, i64, p, p, p, p, p, p]
     dll.kvs_dense_supported.argtypes = []
     dll.kvs_dense_supported.restype = i32
     dll.kvs_int4_supported.argtypes = []

@@ -362,13 +362,14 @@ static void linear_team(int kind, const void *x, int64_t M, int K, const void *w
  * return to Python between the last layer and the logits) into logits_out [B, V] (bfloat16, float32 for
  * a dense head; NULL: a buffer of its own), then, unless token_ids is NULL (the caller samples from the
  * logits), token_ids[b] = kvs_argmax_rows of row b of the logits, or where temperature (NULL: none) has
- * temperature[b] > 0 the draw of kvs_sample_rows with temperature[b], min_p[b] and u[b] (-1: the row
- * holds a NaN or only -inf): the same kernels, with the same inputs, as the LM head module and the
- * sampler run. A packed head (int4, int8) of a float32 model
+ * temperature[b] > 0 the draw of kvs_sample_rows with temperature[b], top_k[b], top_p[b], min_p[b] and
+ * u[b] (-1: the row holds a NaN or only -inf): the same kernels, with the same inputs, as the LM head
+ * module and the sampler run. A packed head (int4, int8) of a float32 model
  * (act 3) takes out rounded to bfloat16, as Int4Linear and Int8Linear cast their input; a dense head
  * needs act 3. out may be NULL only with lm_head given. */
 void kvs_argmax_rows(const void *x, int code, int64_t rows, int64_t n, int64_t *out);
-static int64_t sample_one(const void *x, int code, int64_t n, float t, float min_p, double u);
+static int64_t sample_one(const void *x, int code, int64_t n, float t, int64_t top_k, float top_p, float min_p,
+                          double u);
 
 int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void *x, const void *embed,
                      int64_t vocab, const int64_t *input_ids, const int64_t *positions,
@@ -377,7 +378,8 @@ int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void
                      const void *final_norm, void *out, int B, int n, int H, int Hkv, int d, int I, float eps,
                      float scale, int bs, int act, int cache_code, int num_threads, const void *lm_head,
                      int lm_kind, const void *lm_scales, int V, int64_t *token_ids, void *logits_out,
-                     const float *temperature, const float *min_p, const double *u) {
+                     const float *temperature, const int32_t *top_k, const float *top_p, const float *min_p,
+                     const double *u) {
     const int W = (H + 2 * Hkv) * d, Kmax = n > I ? (n > H * d ? n : H * d) : (I > H * d ? I : H * d);
     const int mc = kind == 1 ? 3 : 4;  /* the matmuls' input and output dtype */
     const size_t es = mc == 3 ? sizeof(float) : sizeof(uint16_t);
@@ -442,7 +444,8 @@ int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void
                 for (int b = 0; b < B; b++) {
                     const char *row = (const char *)logits + les * (size_t)b * V;
                     if (temperature && temperature[b] > 0.f)
-                        token_ids[b] = sample_one(row, lm_code, V, temperature[b], min_p[b], u[b]);
+                        token_ids[b] = sample_one(row, lm_code, V, temperature[b], top_k[b], top_p[b], min_p[b],
+                                                  u[b]);
                     else
                         kvs_argmax_rows(row, lm_code, 1, V, token_ids + b);
                 }
@@ -523,49 +526,134 @@ void kvs_argmax_rows(const void *x, int code, int64_t rows, int64_t n, int64_t *
 }
 
 /* Softmax sampling by inverse CDF for count rows of logits x (code 3 float32, 4 bfloat16; n entries a row;
- * row i of the call is row row_ids[i] of x): the sampler's temperature / min-p path
- * (kvserve/engine/sampler.py: sampling_probs, then sample_from_probs) without its ~25 PyTorch ops on
- * [rows, vocab] tensors (~0.5 ms cold for one 49,152-token row, a tenth of a SmolLM2 decode step).
+ * row i of the call is row row_ids[i] of x): the sampler's temperature / top-k / top-p / min-p path
+ * (kvserve/engine/sampler.py: sampling_probs, then sample_from_probs) without its PyTorch ops on
+ * [rows, vocab] tensors (temperature alone: ~0.5 ms cold for one 49,152-token row, a tenth of a SmolLM2
+ * decode step; top-k 40 on bfloat16 logits, whose ties at the k-th value sent it to a full sort: ~6.5 ms).
  *
  * Row i: z = x / temperature[i] (an IEEE division, as torch's), clamped to FLT_MAX (torch's clamp_);
- * w = e^(z - max z) (exp_nonpos), set to 0 where w < min_p[i] (w / sum w < min_p × the largest
- * probability, 1 / sum w; min_p 0: off). out[i] = the first token whose float64 running sum of w exceeds
- * u[i] × sum w, found as sample_from_probs finds it: the first block of KVS_CDF_BLOCK tokens whose
- * cumulative float64 block sums exceed the target, then the running sum inside it, the result clamped
- * to the block's first and last token of w > 0 (so a token of probability 0 is never drawn). The
- * probabilities are not divided by their sum: the same draw up to rounding. out[i] = -1 for a row that
- * holds a NaN or only -inf (the caller's PyTorch path decides those). Rows run in parallel. */
+ * w = e^(z - max z) (exp_nonpos). In the order (z descending, id ascending), top_k[i] > 0 keeps the first
+ * top_k[i] tokens and top_p[i] < 1 the first of those whose mass before them (w over the sum of w of the
+ * top-k set, or of the whole row without top-k) is below top_p[i] (the first token always) — as
+ * sampling_probs orders and cuts them. The kept set is found among the tokens of w >= 2^-24 (then of
+ * w > 0 if that does not settle it), sorted; tokens of w == 0 are never drawn, so where they would be
+ * kept makes no difference. Kept tokens of w < min_p[i] get w = 0 (w / sum w < min_p × the largest kept
+ * probability, 1 / sum w; min_p 0: off). out[i] = the first token whose float64 running sum of w (in id
+ * order) exceeds u[i] × sum w, found as sample_from_probs finds it: the first block of KVS_CDF_BLOCK
+ * tokens whose cumulative float64 block sums exceed the target, then the running sum inside it, the
+ * result clamped to the block's first and last token of w > 0 (so a token of probability 0 is never
+ * drawn). The probabilities are not divided by their sum, and the top-p masses are float64 sums (torch's
+ * are float32): the same draw up to rounding. out[i] = -1 for a row that holds a NaN or only -inf, or
+ * where memory ran out (the caller's PyTorch path decides those). Rows run in parallel. */
 #define KVS_CDF_BLOCK 256
 
 static inline float sample_value(const void *x, int code, int64_t i) {
     return code == 3 ? ((const float *)x)[i] : bf16_to_float(((const uint16_t *)x)[i]);
 }
 
-/* w[j] for tokens b0 + j < e (at most KVS_CDF_BLOCK): e^(z - m), 0 below min_p; tokens below n8 on 8 lanes,
- * the rest one by one, so a token's w is the same in every pass */
+static inline float sample_z(const void *x, int code, int64_t i, float t) {
+    const float z = sample_value(x, code, i) / t;
+    return z > FLT_MAX ? FLT_MAX : z;
+}
+
+/* w[j] for tokens b0 + j < e (at most KVS_CDF_BLOCK): e^(z - m), 0 below min_p and outside the kept set
+ * (z > vcut, or z == vcut and id <= icut); tokens below n8 on 8 lanes, the rest one by one, so a token's
+ * w is the same in every pass */
 static inline void sample_weights(const void *x, int code, int64_t b0, int64_t e, int64_t n8, float t, float m,
-                                  float min_p, float *w) {
+                                  float min_p, float vcut, int64_t icut, float *w) {
     int64_t i = b0;
 #ifdef __AVX2__
     const __m256 vt = _mm256_set1_ps(t), vm = _mm256_set1_ps(m), vp = _mm256_set1_ps(min_p);
-    const __m256 big = _mm256_set1_ps(FLT_MAX);
+    const __m256 big = _mm256_set1_ps(FLT_MAX), vc = _mm256_set1_ps(vcut);
+    const __m256i ic = _mm256_set1_epi32(icut > INT32_MAX ? INT32_MAX : (int32_t)icut);
     for (; i + 8 <= e && i + 8 <= n8; i += 8) {
         const __m256 v = code == 3 ? _mm256_loadu_ps((const float *)x + i) : bf16x8((const uint16_t *)x + i);
-        const __m256 we = exp_nonpos_avx2(_mm256_sub_ps(_mm256_min_ps(t == 1.f ? v : _mm256_div_ps(v, vt), big), vm));
-        _mm256_storeu_ps(w + (i - b0), _mm256_and_ps(we, _mm256_cmp_ps(we, vp, _CMP_NLT_UQ)));
+        const __m256 z = _mm256_min_ps(t == 1.f ? v : _mm256_div_ps(v, vt), big);
+        const __m256 we = exp_nonpos_avx2(_mm256_sub_ps(z, vm));
+        const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int32_t)i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 in_id = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, ic));  /* id > icut */
+        const __m256 kept = _mm256_or_ps(_mm256_cmp_ps(z, vc, _CMP_GT_OQ),
+                                         _mm256_andnot_ps(in_id, _mm256_cmp_ps(z, vc, _CMP_EQ_OQ)));
+        _mm256_storeu_ps(w + (i - b0), _mm256_and_ps(_mm256_and_ps(we, kept), _mm256_cmp_ps(we, vp, _CMP_NLT_UQ)));
     }
 #else
     (void)n8;
 #endif
     for (; i < e; i++) {
-        float z = sample_value(x, code, i) / t;
-        z = z > FLT_MAX ? FLT_MAX : z;
+        const float z = sample_z(x, code, i, t);
         const float we = exp_nonpos(z - m);
-        w[i - b0] = we < min_p ? 0.f : we;
+        w[i - b0] = we < min_p || !(z > vcut || (z == vcut && i <= icut)) ? 0.f : we;
     }
 }
 
-static int64_t sample_row(const void *x, int code, int64_t n, float t, float min_p, double u, double *cdf) {
+typedef struct { float z; int32_t id; } sample_cand;
+
+static int sample_cand_order(const void *a, const void *b) {  /* z descending, id ascending */
+    const sample_cand *p = a, *q = b;
+    if (p->z != q->z) return p->z > q->z ? -1 : 1;
+    return (p->id > q->id) - (p->id < q->id);
+}
+
+/* The kept set of top-k (k > 0) and top-p (top_p < 1): its last token in (z descending, id ascending)
+ * order as (*vcut, *icut). Candidates are the tokens of w >= 2^-2, then 2^-6, 2^-12, 2^-24 and w > 0,
+ * until they settle it: the top-k set lies among them, or the top-p walk stops inside them. Returns 0,
+ * or -1 where memory ran out. */
+static int sample_cut(const void *x, int code, int64_t n, int64_t n8, float t, float m, int64_t k, float top_p,
+                      float *vcut, int64_t *icut) {
+    if (k <= 0 || k > n) k = n;
+    float *w = malloc(sizeof(float) * (size_t)n);
+    sample_cand *c = malloc(sizeof(sample_cand) * (size_t)n);
+    if (!w || !c) {
+        free(w);
+        free(c);
+        return -1;
+    }
+    double total_all = 0.0;  /* top-p's normaliser without top-k: every token's w */
+    for (int64_t b0 = 0; b0 < n; b0 += KVS_CDF_BLOCK) {
+        const int64_t e = b0 + KVS_CDF_BLOCK < n ? b0 + KVS_CDF_BLOCK : n;
+        sample_weights(x, code, b0, e, n8, t, m, 0.f, -INFINITY, INT64_MAX, w + b0);
+        for (int64_t j = b0; j < e; j++) total_all += (double)w[j];
+    }
+    static const float floors[] = {0x1p-2f, 0x1p-6f, 0x1p-12f, 0x1p-24f, 0.f};
+    const int rounds = (int)(sizeof floors / sizeof floors[0]);
+    for (int round = 0; round < rounds; round++) {
+        const int final = round == rounds - 1;
+        int64_t nc = 0;
+        for (int64_t i = 0; i < n; i++)
+            if (w[i] > 0.f && w[i] >= floors[round]) c[nc++] = (sample_cand){sample_z(x, code, i, t), (int32_t)i};
+        if (!final && k < n && nc < k) continue;  /* top-k needs its k tokens (and their mass) among them */
+        qsort(c, (size_t)nc, sizeof *c, sample_cand_order);
+        const int64_t kk = k < nc ? k : nc;
+        double total = total_all;
+        if (k < n) {  /* with top-k, top-p's normaliser is the top-k set's mass */
+            total = 0.0;
+            for (int64_t j = 0; j < kk; j++) total += (double)w[c[j].id];
+        }
+        int64_t last = kk - 1;
+        int settled = kk == k || final;
+        if (top_p < 1.f) {
+            double before = 0.0;
+            for (int64_t j = 0; j < kk; j++) {
+                if (j > 0 && before / total >= (double)top_p) {
+                    last = j - 1;
+                    settled = 1;
+                    break;
+                }
+                before += (double)w[c[j].id];
+            }
+        }
+        if (!settled) continue;
+        *vcut = c[last].z;
+        *icut = c[last].id;
+        break;
+    }
+    free(w);
+    free(c);
+    return 0;
+}
+
+static int64_t sample_row(const void *x, int code, int64_t n, float t, int64_t top_k, float top_p, float min_p,
+                          double u, double *cdf) {
     /* max z = the clamped (max x) / t: a division by t > 0 and the clamp keep the order */
     float mx = -INFINITY;
     int nan = 0;
@@ -590,12 +678,16 @@ static int64_t sample_row(const void *x, int code, int64_t n, float t, float min
     }
     if (nan || mx == -INFINITY) return -1;
     const float m = mx / t > FLT_MAX ? FLT_MAX : mx / t;
+    float vcut = -INFINITY;
+    int64_t icut = INT64_MAX;
+    if (((top_k > 0 && top_k < n) || top_p < 1.f) && sample_cut(x, code, n, n8, t, m, top_k, top_p, &vcut, &icut))
+        return -1;
     const int64_t nb = (n + KVS_CDF_BLOCK - 1) / KVS_CDF_BLOCK;
     float w[KVS_CDF_BLOCK];
     double c = 0.0;
     for (int64_t k = 0; k < nb; k++) {
         const int64_t b0 = k * KVS_CDF_BLOCK, e = b0 + KVS_CDF_BLOCK < n ? b0 + KVS_CDF_BLOCK : n;
-        sample_weights(x, code, b0, e, n8, t, m, min_p, w);
+        sample_weights(x, code, b0, e, n8, t, m, min_p, vcut, icut, w);
         double s = 0.0;
         for (int64_t j = 0; j < e - b0; j++) s += (double)w[j];  /* vectorized (-fassociative-math) */
         cdf[k] = c += s;
@@ -605,7 +697,7 @@ static int64_t sample_row(const void *x, int code, int64_t n, float t, float min
     while (k < nb - 1 && !(cdf[k] > target)) k++;
     double run = k ? cdf[k - 1] : 0.0;
     const int64_t b0 = k * KVS_CDF_BLOCK, e = b0 + KVS_CDF_BLOCK < n ? b0 + KVS_CDF_BLOCK : n;
-    sample_weights(x, code, b0, e, n8, t, m, min_p, w);
+    sample_weights(x, code, b0, e, n8, t, m, min_p, vcut, icut, w);
     int64_t pos = KVS_CDF_BLOCK, first = -1, last = -1;
     for (int64_t j = 0; j < e - b0; j++) {
         if (w[j] == 0.f) continue;
@@ -619,20 +711,22 @@ static int64_t sample_row(const void *x, int code, int64_t n, float t, float min
     return b0 + pos < n - 1 ? b0 + pos : n - 1;
 }
 
-static int64_t sample_one(const void *x, int code, int64_t n, float t, float min_p, double u) {
+static int64_t sample_one(const void *x, int code, int64_t n, float t, int64_t top_k, float top_p, float min_p,
+                          double u) {
     double *cdf = malloc(sizeof(double) * (size_t)((n + KVS_CDF_BLOCK - 1) / KVS_CDF_BLOCK));
-    const int64_t tok = cdf ? sample_row(x, code, n, t, min_p, u, cdf) : -1;
+    const int64_t tok = cdf ? sample_row(x, code, n, t, top_k, top_p, min_p, u, cdf) : -1;
     free(cdf);
     return tok;
 }
 
 void kvs_sample_rows(const void *x, int code, int64_t n, const int64_t *row_ids, int64_t count,
-                     const float *temperature, const float *min_p, const double *u, int64_t *out) {
+                     const float *temperature, const int32_t *top_k, const float *top_p, const float *min_p,
+                     const double *u, int64_t *out) {
     const size_t es = code == 3 ? sizeof(float) : sizeof(uint16_t);
 #pragma omp parallel for schedule(dynamic, 1) if (count > 1)
     for (int64_t i = 0; i < count; i++)
-        out[i] = sample_one((const char *)x + es * (size_t)row_ids[i] * (size_t)n, code, n, temperature[i], min_p[i],
-                            u[i]);
+        out[i] = sample_one((const char *)x + es * (size_t)row_ids[i] * (size_t)n, code, n, temperature[i], top_k[i],
+                            top_p[i], min_p[i], u[i]);
 }
 
 /* Ask for the bytes_each bytes from each of the n addresses into the caches (prefetcht0; a prefetch never

@@ -11,8 +11,8 @@ Builds ``input_ids``, ``positions``, ``slot_mapping``, ``block_tables``, ``seq_l
 ``_prepare_one_token``); computes logits only for sequences that sample this step. A decode step whose
 rows all want the plain greedy token runs the model's ``greedy_decode`` where it has one (Llama: the
 LM head and argmax inside the decode plan's one C call) instead of forward + LM head + sampler; any
-step whose rows are greedy or sample with temperature and min-p alone runs ``decode_sample`` (the
-sampling in that call too); any other decode-only step runs ``decode_logits`` where it has one (the LM
+step whose rows are greedy or sample with no logprobs or logits processors runs ``decode_sample``
+(the sampling in that call too); any other decode-only step runs ``decode_logits`` where it has one (the LM
 head in that call), then the sampler. Decides nothing about who runs.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvserve import memory
 from kvserve.attention import AttentionMetadata
 from kvserve.attention.kv_quant import QuantizedKVCache, kind_of_dtype
 from kvserve.engine.sampler import (Sampler, SamplingRow, draw_uniforms, plain_greedy, plain_sampled, sample_from_probs,
-                                    sampling_probs, token_logprobs)
+                                    sampling_arrays, sampling_probs, token_logprobs)
 from kvserve.engine.scheduler import RunnerOutput, SchedulerOutput
 from kvserve.spec_decode.verify import verify
 from kvserve.kv_cache.spec import KVCacheSpec
@@ -109,8 +109,8 @@ class ModelRunner:
 
     def _fused_sample(self, sched: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor, layer_meta,
                       out: RunnerOutput) -> bool:
-        """A decode step whose every row is plain greedy or samples with temperature and min-p alone
-        (``plain_sampled``) on a model that can take it with the LM head and the sampling in its decode
+        """A decode step whose every row is plain greedy or plain sampled (``plain_sampled``: temperature,
+        top-k, top-p, min-p; no logprobs or processors) on a model that can take it with the LM head and the sampling in its decode
         step's one C call (``decode_sample``): run it so and fill ``out``. Each sampled row's u is drawn
         as the sampler draws it (``draw_uniforms``), only once the step is sure to run; a row the kernel
         leaves to the PyTorch path (logits with a NaN or only -inf) gets that path's draw for the same u.
@@ -124,13 +124,10 @@ class ModelRunner:
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         u = np.zeros(len(rows), dtype=np.float64)
 
-        def draw() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            temperature, min_p = np.zeros(len(rows), dtype=np.float32), np.zeros(len(rows), dtype=np.float32)
+        def draw() -> tuple[np.ndarray, ...]:
             if sampled:
-                temperature[sampled] = [rows[i].params.temperature for i in sampled]
-                min_p[sampled] = [rows[i].params.min_p for i in sampled]
                 u[sampled] = draw_uniforms([rows[i].generator for i in sampled]).numpy()
-            return temperature, min_p, u
+            return (*sampling_arrays([None if r.params.greedy else r.params for r in rows]), u)
         result = decode_sample(input_ids, positions, self.kv_caches, layer_meta, draw)
         if result is None:
             return False

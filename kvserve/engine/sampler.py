@@ -64,7 +64,7 @@ class Sampler:
             return SamplerOutput(token_ids=greedy_token_ids(logits), logprobs=[None] * len(rows))
         u = None
         if all(plain_sampled(r) for r in rows) and sampling_kernel(logits) is not None:
-            # the common sampled decode step: temperature (and min-p) alone, on the kernel
+            # the common sampled decode step: no processors or logprobs, on the kernel
             u = draw_uniforms([r.generator for r in rows])
             ids = sample_plain_rows(logits, list(range(len(rows))), [r.params for r in rows], u)
             if min(ids) >= 0:  # -1: a NaN or all -inf row, decided below with the same u
@@ -81,11 +81,9 @@ class Sampler:
         if sampled:
             if u is None:
                 u = draw_uniforms([rows[i].generator for i in sampled])
-            plain = [j for j, i in enumerate(sampled) if rows[i].params.top_k <= 0 and rows[i].params.top_p >= 1.0]
-            if plain and sampling_kernel(processed) is not None:  # temperature and min-p alone: the kernel
-                drawn = sample_plain_rows(processed, [sampled[j] for j in plain],
-                                          [rows[sampled[j]].params for j in plain], u[plain])
-                done = {j: t for j, t in zip(plain, drawn) if t >= 0}  # -1: a NaN or all -inf row
+            if sampling_kernel(processed) is not None:
+                drawn = sample_plain_rows(processed, sampled, [rows[i].params for i in sampled], u)
+                done = {j: t for j, t in enumerate(drawn) if t >= 0}  # -1: a NaN or all -inf row
                 if done:
                     token_ids[[sampled[j] for j in done]] = torch.tensor(list(done.values()))
                 left = [j for j in range(len(sampled)) if j not in done]
@@ -126,10 +124,10 @@ _ARGMAX_CODES = {torch.float32: 3, torch.bfloat16: 4}
 
 
 def plain_sampled(row: SamplingRow) -> bool:
-    """Sampled with temperature (and min-p) alone: no top-k, top-p, logprobs, processors or min_tokens
-    left, so ``kvs_sample_rows`` can draw from the raw logits."""
+    """Sampled (temperature, top-k, top-p, min-p) with no logprobs, processors or min_tokens left, so
+    ``kvs_sample_rows`` can draw from the raw logits."""
     p = row.params
-    return (not p.greedy and p.top_k <= 0 and p.top_p >= 1.0 and p.logprobs is None and not p.processes_logits
+    return (not p.greedy and p.logprobs is None and not p.processes_logits
             and len(row.output_token_ids) >= p.min_tokens)
 
 
@@ -358,23 +356,34 @@ def draw_uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
 
 def sample_plain_rows(logits: torch.Tensor, row_ids: list[int], params: list[SamplingParams],
                       u: torch.Tensor) -> list[int]:
-    """Rows ``row_ids`` of ``logits`` ``[num_rows, vocab]``, each with temperature and min-p alone
-    (``params``: no top-k, no top-p), drawn by the kernel's ``kvs_sample_rows`` (``sampling_kernel(logits)``
-    must not be None): the token :func:`sampling_probs` and :func:`sample_from_probs` draw for the same
-    ``u`` (float64 ``[len(row_ids)]``), up to the rounding of the softmax (its exp, and probabilities left
-    undivided by their sum). Returns one id per row, -1 for a row holding a NaN or only -inf (for the
-    PyTorch path to decide). One 49,152-token row: ~0.05 ms, against ~0.5 ms for the PyTorch ops on a
-    decode step's cold caches (a SmolLM2 int4 step is ~4.5 ms)."""
+    """Rows ``row_ids`` of ``logits`` ``[num_rows, vocab]`` with their temperature, top-k, top-p and min-p
+    (``params``) drawn by the kernel's ``kvs_sample_rows`` (``sampling_kernel(logits)`` must not be None):
+    the token :func:`sampling_probs` and :func:`sample_from_probs` draw for the same ``u`` (float64
+    ``[len(row_ids)]``), up to rounding (the softmax's exp, probabilities left undivided by their sum,
+    float64 top-p masses). Returns one id per row, -1 for a row holding a NaN or only -inf (for the
+    PyTorch path to decide). One 49,152-token row: ~0.05 ms at temperature 1, ~0.1 ms with top-k or a
+    small nucleus, against 0.5-6.5 ms for the PyTorch ops on a decode step's cold caches (a SmolLM2 int4
+    step is ~4 ms)."""
     x = logits.resolve_neg().contiguous()
     n = len(row_ids)
     ids = np.asarray(row_ids, dtype=np.int64)
-    temperature = np.array([p.temperature for p in params], dtype=np.float32)
-    min_p = np.array([p.min_p for p in params], dtype=np.float32)
+    temperature, top_k, top_p, min_p = sampling_arrays(params)
     uu = np.ascontiguousarray(u.numpy(), dtype=np.float64)
     out = np.empty(n, dtype=np.int64)
     sampling_kernel(x).kvs_sample_rows(x.data_ptr(), _ARGMAX_CODES[x.dtype], x.shape[1], ids.ctypes.data, n,
-                                       temperature.ctypes.data, min_p.ctypes.data, uu.ctypes.data, out.ctypes.data)
+                                       temperature.ctypes.data, top_k.ctypes.data, top_p.ctypes.data,
+                                       min_p.ctypes.data, uu.ctypes.data, out.ctypes.data)
     return out.tolist()
+
+
+def sampling_arrays(params: list[SamplingParams | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``kvs_sample_rows``'s per-row settings: temperature (float32; 0 for None, a greedy row), top-k (int32,
+    0: off), top-p (float32), min-p (float32)."""
+    temperature = np.array([0.0 if p is None else p.temperature for p in params], dtype=np.float32)
+    top_k = np.array([0 if p is None else min(max(p.top_k, 0), 2 ** 31 - 1) for p in params], dtype=np.int32)
+    top_p = np.array([1.0 if p is None else p.top_p for p in params], dtype=np.float32)
+    min_p = np.array([0.0 if p is None else p.min_p for p in params], dtype=np.float32)
+    return temperature, top_k, top_p, min_p
 
 
 def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None],

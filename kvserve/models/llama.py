@@ -156,9 +156,8 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_sample(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                       meta: AttentionMetadata | Sequence[AttentionMetadata],
-                      draw: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]]
-                      ) -> tuple[list[int], torch.Tensor] | None:
-        """A decode step whose rows are greedy or sample with temperature and min-p alone, its LM head and
+                      draw: Callable[[], tuple[np.ndarray, ...]]) -> tuple[list[int], torch.Tensor] | None:
+        """A decode step whose rows are greedy or sample from the raw logits, its LM head and
         sampling in the decode plan's one C call (:meth:`LlamaDecodePlan.sample`, which says what ``draw``
         gives): (ids, logits). None, with nothing run, where :meth:`greedy_decode` would return None."""
         plan = self._plan_for(kv_caches, meta, verify=False)

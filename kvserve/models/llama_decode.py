@@ -22,7 +22,7 @@ the same input as ``compute_logits`` and the greedy sampler, so the same token i
 return to Python, the head's own fork and join and the logits tensor in between. A step that samples
 (:meth:`LlamaDecodePlan.logits`) runs the head there too and returns its logits, the values
 ``compute_logits(plan(...), float32=False)`` gives (tested), for the sampler; where every row is greedy
-or samples with temperature and min-p alone, :meth:`LlamaDecodePlan.sample` draws the tokens in the
+or samples with no logprobs or logits processors, :meth:`LlamaDecodePlan.sample` draws the tokens in the
 call too (the sampler's kernel), and only the ids come back.
 """
 from __future__ import annotations
@@ -181,27 +181,30 @@ class LlamaDecodePlan:
         return self._token_ids_np[:B].tolist()
 
     def sample(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-               draw: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[list[int], torch.Tensor] | None:
+               draw: Callable[[], tuple[np.ndarray, ...]]) -> tuple[list[int], torch.Tensor] | None:
         """The step and each row's next token with the LM head and the sampling in the same C call, for a
-        step whose rows are greedy or sample with temperature and min-p alone. ``draw()`` is called once
-        the step is sure to run and returns per row temperature (float32 [B], 0: greedy), min-p (float32
-        [B]) and u (float64 [B]): a greedy row gets the id :meth:`greedy` gives, a sampled row the
-        draw of the sampler's ``kvs_sample_rows`` for that u (-1 for logits with a NaN or only -inf,
-        which the caller decides from the logits). Returns (ids, logits [B, vocab] as :meth:`logits`
-        returns them); None, with nothing run and ``draw`` not called, where :meth:`greedy` would return
-        None."""
+        step whose rows are greedy or sample from the raw logits. ``draw()`` is called once the step is
+        sure to run and returns per row temperature (float32 [B], 0: greedy), top-k (int32 [B], 0: off),
+        top-p (float32 [B]), min-p (float32 [B]) and u (float64 [B]) (``sampler.sampling_arrays`` and
+        ``draw_uniforms``): a greedy row gets the id :meth:`greedy` gives, a sampled row the draw of the
+        sampler's ``kvs_sample_rows`` for that u (-1 for logits with a NaN or only -inf, which the caller
+        decides from the logits). Returns (ids, logits [B, vocab] as :meth:`logits` returns them); None,
+        with nothing run and ``draw`` not called, where :meth:`greedy` would return None.
+
+        Raises:
+            ValueError: ``draw()`` did not give five arrays of B values."""
         self._follow_storage()
         B = input_ids.shape[0]
         if not self._head_in_call(B):
             return None
-        temperature, min_p, u = (np.ascontiguousarray(a, dtype=t) for a, t in
-                                 zip(draw(), (np.float32, np.float32, np.float64)))
-        if not temperature.shape == min_p.shape == u.shape == (B,):
-            raise ValueError(f"draw() must give 3 arrays of shape ({B},), got {temperature.shape}, {min_p.shape}, "
-                             f"{u.shape}")
+        arrays = tuple(draw())
+        if len(arrays) != 5 or any(np.shape(a) != (B,) for a in arrays):
+            raise ValueError(f"draw() must give 5 arrays of shape ({B},), got {[np.shape(a) for a in arrays]}")
+        sampling = tuple(np.ascontiguousarray(a, dtype=t) for a, t in
+                         zip(arrays, (np.float32, np.int32, np.float32, np.float32, np.float64)))
         self._reserve_token_ids(B)
         logits = self._logits_buffer(B)
-        self._step(input_ids, positions, meta, self._token_ids, logits, (temperature, min_p, u))
+        self._step(input_ids, positions, meta, self._token_ids, logits, sampling)
         self._warm_objects()
         return self._token_ids_np[:B].tolist(), logits
 
@@ -248,9 +251,9 @@ class LlamaDecodePlan:
 
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
               token_ids: torch.Tensor | None = None, logits: torch.Tensor | None = None,
-              sampling: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> torch.Tensor | None:
-        """token_ids: [≥ B] int64 for the next tokens (greedy, or drawn with ``sampling``'s temperature, min-p
-        and u per row), and/or logits: [B, vocab] contiguous for the LM head's output (either: the LM head
+              sampling: tuple[np.ndarray, ...] | None = None) -> torch.Tensor | None:
+        """token_ids: [≥ B] int64 for the next tokens (greedy, or drawn with ``sampling``'s temperature, top-k,
+        top-p, min-p and u per row), and/or logits: [B, vocab] contiguous for the LM head's output (either: the LM head
         in the one C call, which must apply); else None (the hidden states)."""
         dll, H, Hkv, d, n, inter, eps = self.dll, self.H, self.Hkv, self.d, self.hidden, self.inter, self.eps
         B = input_ids.shape[0]
@@ -273,7 +276,7 @@ class LlamaDecodePlan:
                                       *((None, -1, None, 0, None, None) if not head
                                         else (*self._lm_args, None if token_ids is None else token_ids.data_ptr(),
                                               None if logits is None else logits.data_ptr())),
-                                      *((None, None, None) if sampling is None else (a.ctypes.data for a in sampling)))
+                                      *((None,) * 5 if sampling is None else (a.ctypes.data for a in sampling)))
             if rc:
                 raise IndexError(f"input_ids: a token id outside [0, {self.embed.shape[0]}) (the embedding's rows)")
             return out
