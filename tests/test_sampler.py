@@ -526,3 +526,30 @@ def test_sampling_kernel_infinite_logits_and_zero_tokens_at_the_edges(monkeypatc
     draws = sample_plain_rows(inf, [0] * 2000, p * 2000, torch.rand(2000, dtype=torch.float64))
     assert set(draws) == {7, 299}
     assert 850 < draws.count(7) < 1150  # binomial(2000, 1/2): mean 1000, sd 22
+
+
+def test_sampling_kernel_cuts_ties_where_the_torch_path_does():
+    """Edge cases from an adversarial review, each against sampling_probs's kept set over a grid of u:
+    two tokens tied where the vector and one-by-one exp could round to opposite sides of a candidate
+    floor (ids 1 and 8 of 9: the last is past the 8-lane groups), under top-k 2; two tokens tied at the
+    top with top-p 0.5 and a tail below float32's rounding of the total (the PyTorch path keeps one: its
+    float32 mass before the second is exactly 0.5); 100 tokens tied at the float max with top-p 0.5 (in
+    float32, 50 × 0.01 rounds to 0.5 before the 51st: 50 kept; float64 sums keep 51)."""
+    from kvserve.engine.sampler import sample_plain_rows
+    _kernel_or_skip()
+    split_tie = torch.full((1, 9), -30.0)
+    split_tie[0, 0], split_tie[0, [1, 8]] = 0.0, -16.6355324
+    top_tie = torch.tensor([[0.0, 0.0, -20.0, -20.0, -20.0]])
+    flat_max = torch.zeros(1, 300)
+    flat_max[0, 100:200] = float("inf")
+    us = torch.cat([(torch.arange(200, dtype=torch.float64) + 0.5) / 200,
+                    torch.tensor([1 - 1e-9, 1 - 1e-12], dtype=torch.float64)])
+    for logits, params in [(split_tie, SamplingParams(top_k=2)), (top_tie, SamplingParams(top_p=0.5)),
+                           (flat_max, SamplingParams(top_p=0.5))]:
+        support = set((sampling_probs(logits.clone(), [params])[0] > 0).nonzero().flatten().tolist())
+        got = sample_plain_rows(logits, [0] * len(us), [params] * len(us), us)
+        assert set(got) <= support, (params, sorted(set(got)), sorted(support))
+        if logits is split_tie:  # token 1 (e^-16.6 of the mass) at the top of the CDF, never 8
+            assert got[-2:] == [1, 1] and support == {0, 1}
+        else:  # every kept token is likely enough to be drawn on the grid
+            assert set(got) == support and len(support) == (1 if logits is top_tie else 50)

@@ -535,15 +535,13 @@ void kvs_argmax_rows(const void *x, int code, int64_t rows, int64_t n, int64_t *
  * w = e^(z - max z) (exp_nonpos). In the order (z descending, id ascending), top_k[i] > 0 keeps the first
  * top_k[i] tokens and top_p[i] < 1 the first of those whose mass before them (w over the sum of w of the
  * top-k set, or of the whole row without top-k) is below top_p[i] (the first token always) — as
- * sampling_probs orders and cuts them. The kept set is found among the tokens of w >= 2^-24 (then of
- * w > 0 if that does not settle it), sorted; tokens of w == 0 are never drawn, so where they would be
- * kept makes no difference. Kept tokens of w < min_p[i] get w = 0 (w / sum w < min_p × the largest kept
+ * sampling_probs orders and cuts them, with its float32 masses (sample_cut). Kept tokens of w < min_p[i] get w = 0 (w / sum w < min_p × the largest kept
  * probability, 1 / sum w; min_p 0: off). out[i] = the first token whose float64 running sum of w (in id
  * order) exceeds u[i] × sum w, found as sample_from_probs finds it: the first block of KVS_CDF_BLOCK
  * tokens whose cumulative float64 block sums exceed the target, then the running sum inside it, the
  * result clamped to the block's first and last token of w > 0 (so a token of probability 0 is never
- * drawn). The probabilities are not divided by their sum, and the top-p masses are float64 sums (torch's
- * are float32): the same draw up to rounding. out[i] = -1 for a row that holds a NaN or only -inf, or
+ * drawn). The probabilities are not divided by their sum and its exp is not torch's: the same draw up
+ * to rounding. out[i] = -1 for a row that holds a NaN or only -inf, or
  * where memory ran out (the caller's PyTorch path decides those). Rows run in parallel. */
 #define KVS_CDF_BLOCK 256
 
@@ -556,33 +554,54 @@ static inline float sample_z(const void *x, int code, int64_t i, float t) {
     return z > FLT_MAX ? FLT_MAX : z;
 }
 
-/* w[j] for tokens b0 + j < e (at most KVS_CDF_BLOCK): e^(z - m), 0 below min_p and outside the kept set
- * (z > vcut, or z == vcut and id <= icut); tokens below n8 on 8 lanes, the rest one by one, so a token's
- * w is the same in every pass */
-static inline void sample_weights(const void *x, int code, int64_t b0, int64_t e, int64_t n8, float t, float m,
-                                  float min_p, float vcut, int64_t icut, float *w) {
+#ifdef __AVX2__
+/* sample_weights's 8 lanes from the values v of tokens i .. i + 7 */
+static inline __m256 sample_weights8(__m256 v, int64_t i, float t, float m, float min_p, float vcut, int64_t icut,
+                                     __m256 *zout) {
+    const __m256 z = _mm256_min_ps(t == 1.f ? v : _mm256_div_ps(v, _mm256_set1_ps(t)), _mm256_set1_ps(FLT_MAX));
+    const __m256 we = exp_nonpos_avx2(_mm256_sub_ps(z, _mm256_set1_ps(m)));
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int32_t)i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i ic = _mm256_set1_epi32(icut > INT32_MAX ? INT32_MAX : (int32_t)icut);
+    const __m256 vc = _mm256_set1_ps(vcut);
+    const __m256 in_id = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, ic));  /* id > icut */
+    const __m256 kept = _mm256_or_ps(_mm256_cmp_ps(z, vc, _CMP_GT_OQ),
+                                     _mm256_andnot_ps(in_id, _mm256_cmp_ps(z, vc, _CMP_EQ_OQ)));
+    *zout = z;
+    return _mm256_and_ps(_mm256_and_ps(we, kept), _mm256_cmp_ps(we, _mm256_set1_ps(min_p), _CMP_NLT_UQ));
+}
+#endif
+
+/* w[j] for tokens b0 + j < e: e^(z - m), 0 below min_p and outside the kept set (z > vcut, or z == vcut and
+ * id <= icut); z[j] = z where z is not NULL. Every token takes the same arithmetic (on AVX2 the last
+ * partial group of 8 too, padded), so a token's w is the same in every pass and w never decreases as z
+ * grows between two tokens of one row. */
+static inline void sample_weights(const void *x, int code, int64_t b0, int64_t e, float t, float m, float min_p,
+                                  float vcut, int64_t icut, float *w, float *z) {
     int64_t i = b0;
 #ifdef __AVX2__
-    const __m256 vt = _mm256_set1_ps(t), vm = _mm256_set1_ps(m), vp = _mm256_set1_ps(min_p);
-    const __m256 big = _mm256_set1_ps(FLT_MAX), vc = _mm256_set1_ps(vcut);
-    const __m256i ic = _mm256_set1_epi32(icut > INT32_MAX ? INT32_MAX : (int32_t)icut);
-    for (; i + 8 <= e && i + 8 <= n8; i += 8) {
+    __m256 z8;
+    for (; i + 8 <= e; i += 8) {
         const __m256 v = code == 3 ? _mm256_loadu_ps((const float *)x + i) : bf16x8((const uint16_t *)x + i);
-        const __m256 z = _mm256_min_ps(t == 1.f ? v : _mm256_div_ps(v, vt), big);
-        const __m256 we = exp_nonpos_avx2(_mm256_sub_ps(z, vm));
-        const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int32_t)i), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 in_id = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, ic));  /* id > icut */
-        const __m256 kept = _mm256_or_ps(_mm256_cmp_ps(z, vc, _CMP_GT_OQ),
-                                         _mm256_andnot_ps(in_id, _mm256_cmp_ps(z, vc, _CMP_EQ_OQ)));
-        _mm256_storeu_ps(w + (i - b0), _mm256_and_ps(_mm256_and_ps(we, kept), _mm256_cmp_ps(we, vp, _CMP_NLT_UQ)));
+        _mm256_storeu_ps(w + (i - b0), sample_weights8(v, i, t, m, min_p, vcut, icut, &z8));
+        if (z) _mm256_storeu_ps(z + (i - b0), z8);
     }
-#else
-    (void)n8;
+    if (i < e) {
+        float v8[8], w8[8], zz[8];
+        for (int l = 0; l < 8; l++) v8[l] = i + l < e ? sample_value(x, code, i + l) : -INFINITY;
+        _mm256_storeu_ps(w8, sample_weights8(_mm256_loadu_ps(v8), i, t, m, min_p, vcut, icut, &z8));
+        _mm256_storeu_ps(zz, z8);
+        for (int l = 0; i + l < e; l++) {
+            w[i + l - b0] = w8[l];
+            if (z) z[i + l - b0] = zz[l];
+        }
+        i = e;
+    }
 #endif
     for (; i < e; i++) {
-        const float z = sample_z(x, code, i, t);
-        const float we = exp_nonpos(z - m);
-        w[i - b0] = we < min_p || !(z > vcut || (z == vcut && i <= icut)) ? 0.f : we;
+        const float zi = sample_z(x, code, i, t);
+        const float we = exp_nonpos(zi - m);
+        w[i - b0] = we < min_p || !(zi > vcut || (zi == vcut && i <= icut)) ? 0.f : we;
+        if (z) z[i - b0] = zi;
     }
 }
 
@@ -595,51 +614,57 @@ static int sample_cand_order(const void *a, const void *b) {  /* z descending, i
 }
 
 /* The kept set of top-k (k > 0) and top-p (top_p < 1): its last token in (z descending, id ascending)
- * order as (*vcut, *icut). Candidates are the tokens of w >= 2^-2, then 2^-6, 2^-12, 2^-24 and w > 0,
- * until they settle it: the top-k set lies among them, or the top-p walk stops inside them. Returns 0,
- * or -1 where memory ran out. */
-static int sample_cut(const void *x, int code, int64_t n, int64_t n8, float t, float m, int64_t k, float top_p,
-                      float *vcut, int64_t *icut) {
+ * order as (*vcut, *icut). Candidates are the tokens of z >= max z - 1.5, then - 3, ... - 17, - 88 and
+ * then all, until they settle it: the top-k set lies among them, or the top-p walk stops inside them (a
+ * threshold on z takes every token of a tie or none). The top-p masses follow sampling_probs's float32
+ * arithmetic: p = w / total in float32, the running sum accumulated in float64 and rounded to float32 (as
+ * torch's CPU cumsum), the mass before a token that sum minus its p in float32; so a tie that sits
+ * exactly on the top-p edge is cut where the PyTorch path cuts it. Returns 0, or -1 where memory ran out. */
+static int sample_cut(const void *x, int code, int64_t n, float t, float m, int64_t k, float top_p, float *vcut,
+                      int64_t *icut) {
     if (k <= 0 || k > n) k = n;
-    float *w = malloc(sizeof(float) * (size_t)n);
+    float *w = malloc(sizeof(float) * (size_t)n), *z = malloc(sizeof(float) * (size_t)n);
     sample_cand *c = malloc(sizeof(sample_cand) * (size_t)n);
-    if (!w || !c) {
+    if (!w || !z || !c) {
         free(w);
+        free(z);
         free(c);
         return -1;
     }
     double total_all = 0.0;  /* top-p's normaliser without top-k: every token's w */
     for (int64_t b0 = 0; b0 < n; b0 += KVS_CDF_BLOCK) {
         const int64_t e = b0 + KVS_CDF_BLOCK < n ? b0 + KVS_CDF_BLOCK : n;
-        sample_weights(x, code, b0, e, n8, t, m, 0.f, -INFINITY, INT64_MAX, w + b0);
+        sample_weights(x, code, b0, e, t, m, 0.f, -INFINITY, INT64_MAX, w + b0, z + b0);
         for (int64_t j = b0; j < e; j++) total_all += (double)w[j];
     }
-    static const float floors[] = {0x1p-2f, 0x1p-6f, 0x1p-12f, 0x1p-24f, 0.f};
-    const int rounds = (int)(sizeof floors / sizeof floors[0]);
+    static const float drops[] = {1.5f, 3.f, 4.5f, 6.f, 8.f, 10.f, 13.f, 17.f, 88.f, INFINITY};
+    const int rounds = (int)(sizeof drops / sizeof drops[0]);
     for (int round = 0; round < rounds; round++) {
         const int final = round == rounds - 1;
         int64_t nc = 0;
         for (int64_t i = 0; i < n; i++)
-            if (w[i] > 0.f && w[i] >= floors[round]) c[nc++] = (sample_cand){sample_z(x, code, i, t), (int32_t)i};
+            if (final || z[i] - m >= -drops[round]) c[nc++] = (sample_cand){z[i], (int32_t)i};
         if (!final && k < n && nc < k) continue;  /* top-k needs its k tokens (and their mass) among them */
         qsort(c, (size_t)nc, sizeof *c, sample_cand_order);
         const int64_t kk = k < nc ? k : nc;
-        double total = total_all;
-        if (k < n) {  /* with top-k, top-p's normaliser is the top-k set's mass */
-            total = 0.0;
-            for (int64_t j = 0; j < kk; j++) total += (double)w[c[j].id];
-        }
         int64_t last = kk - 1;
         int settled = kk == k || final;
         if (top_p < 1.f) {
-            double before = 0.0;
+            double total = total_all;
+            if (k < n) {  /* with top-k, top-p's normaliser is the top-k set's mass */
+                total = 0.0;
+                for (int64_t j = 0; j < kk; j++) total += (double)w[c[j].id];
+            }
+            const float total_f = (float)total;
+            double run = 0.0;
             for (int64_t j = 0; j < kk; j++) {
-                if (j > 0 && before / total >= (double)top_p) {
+                const float pj = w[c[j].id] / total_f;
+                run += (double)pj;
+                if (j > 0 && (float)run - pj >= top_p) {
                     last = j - 1;
                     settled = 1;
                     break;
                 }
-                before += (double)w[c[j].id];
             }
         }
         if (!settled) continue;
@@ -648,6 +673,7 @@ static int sample_cut(const void *x, int code, int64_t n, int64_t n8, float t, f
         break;
     }
     free(w);
+    free(z);
     free(c);
     return 0;
 }
@@ -658,8 +684,8 @@ static int64_t sample_row(const void *x, int code, int64_t n, float t, int64_t t
     float mx = -INFINITY;
     int nan = 0;
     int64_t i = 0;
-    const int64_t n8 = n & ~(int64_t)7;
 #ifdef __AVX2__
+    const int64_t n8 = n & ~(int64_t)7;
     __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
     for (; i < n8; i += 8) {
         const __m256 v = code == 3 ? _mm256_loadu_ps((const float *)x + i) : bf16x8((const uint16_t *)x + i);
@@ -680,14 +706,14 @@ static int64_t sample_row(const void *x, int code, int64_t n, float t, int64_t t
     const float m = mx / t > FLT_MAX ? FLT_MAX : mx / t;
     float vcut = -INFINITY;
     int64_t icut = INT64_MAX;
-    if (((top_k > 0 && top_k < n) || top_p < 1.f) && sample_cut(x, code, n, n8, t, m, top_k, top_p, &vcut, &icut))
+    if (((top_k > 0 && top_k < n) || top_p < 1.f) && sample_cut(x, code, n, t, m, top_k, top_p, &vcut, &icut))
         return -1;
     const int64_t nb = (n + KVS_CDF_BLOCK - 1) / KVS_CDF_BLOCK;
     float w[KVS_CDF_BLOCK];
     double c = 0.0;
     for (int64_t k = 0; k < nb; k++) {
         const int64_t b0 = k * KVS_CDF_BLOCK, e = b0 + KVS_CDF_BLOCK < n ? b0 + KVS_CDF_BLOCK : n;
-        sample_weights(x, code, b0, e, n8, t, m, min_p, vcut, icut, w);
+        sample_weights(x, code, b0, e, t, m, min_p, vcut, icut, w, NULL);
         double s = 0.0;
         for (int64_t j = 0; j < e - b0; j++) s += (double)w[j];  /* vectorized (-fassociative-math) */
         cdf[k] = c += s;
@@ -697,7 +723,7 @@ static int64_t sample_row(const void *x, int code, int64_t n, float t, int64_t t
     while (k < nb - 1 && !(cdf[k] > target)) k++;
     double run = k ? cdf[k - 1] : 0.0;
     const int64_t b0 = k * KVS_CDF_BLOCK, e = b0 + KVS_CDF_BLOCK < n ? b0 + KVS_CDF_BLOCK : n;
-    sample_weights(x, code, b0, e, n8, t, m, min_p, vcut, icut, w);
+    sample_weights(x, code, b0, e, t, m, min_p, vcut, icut, w, NULL);
     int64_t pos = KVS_CDF_BLOCK, first = -1, last = -1;
     for (int64_t j = 0; j < e - b0; j++) {
         if (w[j] == 0.f) continue;
