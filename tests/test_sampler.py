@@ -486,7 +486,8 @@ def test_sampler_draws_the_same_tokens_with_and_without_the_kernel(monkeypatch):
                   SamplingParams(temperature=1.0), SamplingParams(top_p=0.9, seed=3),
                   SamplingParams(temperature=0.5, top_k=20, seed=4), SamplingParams(temperature=1.0, min_p=0.1),
                   SamplingParams(temperature=0.8, top_k=50, top_p=0.7, presence_penalty=0.5, seed=5)]
-        rows = [SamplingRow(p, gens[i] if p.seed is not None else None, [], [1, 2, 3], ()) for i, p in enumerate(params)]
+        rows = [SamplingRow(p, gens[i] if p.seed is not None else None, [], [1, 2, 3], ())
+                for i, p in enumerate(params)]
         return [Sampler()(x, rows).token_ids for x in steps]
 
     with_kernel = run()

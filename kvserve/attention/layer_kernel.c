@@ -364,9 +364,9 @@ static void linear_team(int kind, const void *x, int64_t M, int K, const void *w
  * logits), token_ids[b] = kvs_argmax_rows of row b of the logits, or where temperature (NULL: none) has
  * temperature[b] > 0 the draw of kvs_sample_rows with temperature[b], top_k[b], top_p[b], min_p[b] and
  * u[b] (-1: the row holds a NaN or only -inf): the same kernels, with the same inputs, as the LM head
- * module and the sampler run. A packed head (int4, int8) of a float32 model
- * (act 3) takes out rounded to bfloat16, as Int4Linear and Int8Linear cast their input; a dense head
- * needs act 3. out may be NULL only with lm_head given. */
+ * module and the sampler run. A packed head (int4, int8) of a float32 model (act 3) takes out rounded to
+ * bfloat16, as Int4Linear and Int8Linear cast their input; a dense head needs act 3. out may be NULL
+ * only with lm_head given. */
 void kvs_argmax_rows(const void *x, int code, int64_t rows, int64_t n, int64_t *out);
 static int64_t sample_one(const void *x, int code, int64_t n, float t, int64_t top_k, float top_p, float min_p,
                           double u);
@@ -535,14 +535,14 @@ void kvs_argmax_rows(const void *x, int code, int64_t rows, int64_t n, int64_t *
  * w = e^(z - max z) (exp_nonpos). In the order (z descending, id ascending), top_k[i] > 0 keeps the first
  * top_k[i] tokens and top_p[i] < 1 the first of those whose mass before them (w over the sum of w of the
  * top-k set, or of the whole row without top-k) is below top_p[i] (the first token always) — as
- * sampling_probs orders and cuts them, with its float32 masses (sample_cut). Kept tokens of w < min_p[i] get w = 0 (w / sum w < min_p × the largest kept
- * probability, 1 / sum w; min_p 0: off). out[i] = the first token whose float64 running sum of w (in id
+ * sampling_probs orders and cuts them, with its float32 masses (sample_cut). Kept tokens of w < min_p[i]
+ * get w = 0 (w / sum w < min_p × the largest kept probability, 1 / sum w; min_p 0: off). out[i] = the first token whose float64 running sum of w (in id
  * order) exceeds u[i] × sum w, found as sample_from_probs finds it: the first block of KVS_CDF_BLOCK
  * tokens whose cumulative float64 block sums exceed the target, then the running sum inside it, the
  * result clamped to the block's first and last token of w > 0 (so a token of probability 0 is never
  * drawn). The probabilities are not divided by their sum and its exp is not torch's: the same draw up
- * to rounding. out[i] = -1 for a row that holds a NaN or only -inf, or
- * where memory ran out (the caller's PyTorch path decides those). Rows run in parallel. */
+ * to rounding. out[i] = -1 for a row that holds a NaN or only -inf, or where memory ran out (the
+ * caller's PyTorch path decides those). Rows run in parallel. */
 #define KVS_CDF_BLOCK 256
 
 static inline float sample_value(const void *x, int code, int64_t i) {

@@ -110,10 +110,11 @@ class ModelRunner:
     def _fused_sample(self, sched: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor, layer_meta,
                       out: RunnerOutput) -> bool:
         """A decode step whose every row is plain greedy or plain sampled (``plain_sampled``: temperature,
-        top-k, top-p, min-p; no logprobs or processors) on a model that can take it with the LM head and the sampling in its decode
-        step's one C call (``decode_sample``): run it so and fill ``out``. Each sampled row's u is drawn
-        as the sampler draws it (``draw_uniforms``), only once the step is sure to run; a row the kernel
-        leaves to the PyTorch path (logits with a NaN or only -inf) gets that path's draw for the same u.
+        top-k, top-p, min-p; no logprobs or processors) on a model that can take it with the LM head and
+        the sampling in its decode step's one C call (``decode_sample``): run it so and fill ``out``. Each
+        sampled row's u is drawn as the sampler draws it (``draw_uniforms``), only once the step is sure to
+        run; a row the kernel leaves to the PyTorch path (logits with a NaN or only -inf) gets that path's
+        draw for the same u.
         False, with nothing run and nothing drawn, otherwise."""
         decode_sample = getattr(self.model, "decode_sample", None)
         if decode_sample is None or not self._decode_only(sched):
