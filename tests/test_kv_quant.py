@@ -320,6 +320,45 @@ CASES = [([0], [7]), ([5], [6]), ([8], [4]), ([3, 8, 15], [1, 1, 1]), ([4, 7, 0,
          ([1100, 3], [1, 1])]  # > 512 tokens: the kernel splits a sequence into chunks and merges them
 
 
+@pytest.mark.parametrize("lens,threads,chunk", [
+    ([192], 2, 96),  # 2 items of 96 tokens, one a thread (was 3 of 64: one thread took two)
+    ([129], 2, 80),  # 80 + 49
+    ([1088], 2, 272),  # 4 even items (was 256: 5 items, 3 + 2)
+    ([4096], 2, 512),  # 8 items of the 512 cap
+    ([4100], 2, 416),  # 10 items, 5 a thread (was 9 of 512: 5 + 4, the fifth 4 tokens)
+    ([100] * 4, 2, 208),  # a batch: one item per sequence
+    ([5000], 1, 512),  # one thread: items of at most 512 (10 of 500, rounded up to whole blocks)
+    ([300], 0, 304),  # fewer than 1 thread counts as 1
+    ([10], 2, 16),
+    ([], 2, 16)])  # no tokens: no items, any whole block
+def test_attention_work_items_even(lens, threads, chunk):
+    """kvq_attention_chunk splits a step's tokens into num_threads × r items of whole 16-token blocks, r
+    the fewest rounds that keeps them within 512 tokens (values worked out by hand)."""
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        pytest.skip("no C compiler")
+    seq_lens = torch.tensor(lens or [0], dtype=torch.int64)
+    assert dll.kvq_attention_chunk(seq_lens.data_ptr(), len(lens), 16, threads) == chunk
+    first = torch.empty(len(lens) + 1, dtype=torch.int64)
+    items = dll.kvq_attention_items(seq_lens.data_ptr(), len(lens), chunk, first.data_ptr())
+    assert items == sum(-(-n // chunk) for n in lens) == first[-1]
+
+
+def test_attention_work_items_balanced():
+    """For one sequence of any length: items are whole blocks of at most 512 tokens, no more of them than
+    threads × the fewest rounds, and each at most a block longer than an exact split into that many."""
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        pytest.skip("no C compiler")
+    for threads in (1, 2, 3, 4):
+        for n in range(1, 6000, 7):
+            seq_lens = torch.tensor([n], dtype=torch.int64)
+            chunk = dll.kvq_attention_chunk(seq_lens.data_ptr(), 1, 16, threads)
+            slots = threads * -(-n // (512 * threads))
+            assert chunk % 16 == 0 and 0 < chunk <= 512, (n, threads, chunk)
+            assert -(-n // chunk) <= slots and chunk < -(-n // slots) + 16, (n, threads, chunk)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=["MHA", "GQA", "MQA"])
 @pytest.mark.parametrize("case", CASES)

@@ -104,6 +104,10 @@ def load() -> ctypes.CDLL | None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     dll.kvq_decode_attention.argtypes = [p, p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, f32, i32, i32, i32]
     dll.kvq_decode_attention.restype = None
+    dll.kvq_attention_chunk.argtypes = [p, i32, i32, i32]
+    dll.kvq_attention_chunk.restype = i64
+    dll.kvq_attention_items.argtypes = [p, i32, i64, p]
+    dll.kvq_attention_items.restype = i64
     dll.kvq_dequantize.argtypes = [p, p, p, i64, i32, i32, i32]
     dll.kvq_dequantize.restype = None
     dll.kvq_write_quantized.argtypes = [p, i32, i64, i64, i32, i32, p, p, p, i32, i32]
