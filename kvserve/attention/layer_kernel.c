@@ -219,10 +219,9 @@ static inline void rms_norm_row_bf16(uint16_t *x, const uint16_t *residual, cons
  * `x + residual` would be): out = x / sqrt(mean(x^2) + eps) * w, in float32, rounded to the activation
  * dtype and stored in out_code (bfloat16 out of a float32 model = the eager result cast to bf16).
  * w: [n] in w_code (3 or 4). */
-static void rms_norm_team(void *x, const void *residual, int res_code, const void *w, int w_code, float eps,
-                          void *out, int out_code, int64_t T, int n, int act) {
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; t++) {
+static void rms_norm_rows(void *x, const void *residual, int res_code, const void *w, int w_code, float eps,
+                          void *out, int out_code, int64_t t0, int64_t t1, int n, int act) {
+    for (int64_t t = t0; t < t1; t++) {
 #ifdef __AVX512F__
         if (act == 4 && out_code == 4 && (!residual || res_code == 4)) {
             rms_norm_row_bf16((uint16_t *)x + t * n, residual ? (const uint16_t *)residual + t * n : NULL, w, w_code,
@@ -233,6 +232,12 @@ static void rms_norm_team(void *x, const void *residual, int res_code, const voi
         if (act == 4) rms_norm_row(x, residual, res_code, w, w_code, eps, out, out_code, t * n, n, 4);
         else rms_norm_row(x, residual, res_code, w, w_code, eps, out, out_code, t * n, n, 3);
     }
+}
+
+static void rms_norm_team(void *x, const void *residual, int res_code, const void *w, int w_code, float eps,
+                          void *out, int out_code, int64_t T, int n, int act) {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) rms_norm_rows(x, residual, res_code, w, w_code, eps, out, out_code, t, t + 1, n, act);
 }
 
 void kvs_add_rms_norm(void *x, const void *residual, int res_code, const void *w, int w_code, float eps, void *out,
@@ -346,7 +351,8 @@ static void linear_team(int kind, const void *x, int64_t M, int K, const void *w
  * kvserve.models.llama_decode.LlamaDecodePlan's loop (norm, QKV, RoPE + KV write, attention, O, norm,
  * gate/up, SiLU, down), with barriers between them instead of a Python call, a fork and a join each.
  *
- * x: [B, n] residual stream (act 3 or 4), updated in place; NULL: the rows input_ids [B] of embed [vocab, n]
+ * x: [B, n] residual stream (act 3 or 4), updated in place (one row: left as it is, each thread updating a
+ * copy of its own); NULL: the rows input_ids [B] of embed [vocab, n]
  * (act), gathered here into a buffer of its own (returns -1, running nothing, if an id is outside
  * [0, vocab)). out: NULL for a step with lm_head given, which needs only the logits or token ids.
  *
@@ -408,16 +414,31 @@ int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void
     void *logits = lm_head ? (logits_out ? logits_out : malloc(les * (size_t)B * (size_t)V)) : NULL;
     /* a packed head of a float32 model: its bfloat16 input */
     uint16_t *lm_in = lm_head && lm_code == 4 && act == 3 ? malloc(sizeof(uint16_t) * (size_t)B * n) : NULL;
+    /* a one-row step: each thread's residual row and matmul input, 64-byte aligned (below) */
+    const size_t own_bytes = (xs + es * (size_t)n + 63) / 64 * 64;
+    char *rows_own = B == 1 ? aligned_alloc(64, own_bytes * (size_t)(num_threads > 0 ? num_threads : 1)) : NULL;
 #pragma omp parallel num_threads(num_threads)
     {
+        /* A one-row step: every thread keeps its own copy of the residual stream and computes a layer's two
+         * RMSNorms itself, into its own matmul input (the same values as one shared copy: the same
+         * arithmetic on the same inputs), instead of one thread computing them while the others wait at
+         * two barriers a layer. */
+        void *xr = x, *hr = h, *own = NULL;
+        if (rows_own) {
+            own = rows_own + own_bytes * (size_t)omp_get_thread_num();
+            memcpy(own, x, xs);
+            xr = own;
+            hr = (char *)own + xs;
+        }
         for (int l = 0; l < L; l++) {
             const int64_t *p = layers + 14 * l;
             const void *w_qkv = (const void *)p[0], *w_o = (const void *)p[1];
             const void *w_gu = (const void *)p[2], *w_down = (const void *)p[3];
             void *kc = (void *)p[6], *vc = (void *)p[7];
             float *ks = (float *)p[8], *vs = (float *)p[9];
-            rms_norm_team(x, l ? delta : NULL, mc, (const void *)p[4], norm_code, eps, h, mc, B, n, act);
-            linear_team(kind, h, B, n, w_qkv, (const void *)p[10], W, qkv, xsum);
+            if (own) rms_norm_rows(xr, l ? delta : NULL, mc, (const void *)p[4], norm_code, eps, hr, mc, 0, 1, n, act);
+            else rms_norm_team(x, l ? delta : NULL, mc, (const void *)p[4], norm_code, eps, h, mc, B, n, act);
+            linear_team(kind, hr, B, n, w_qkv, (const void *)p[10], W, qkv, xsum);
             /* the queries as float32 holding the activation dtype's values, straight from RoPE */
             rope_team(qkv, mc, W, positions, cos_t, sin_t, qf, NULL, kc, vc, ks, vs, slot_mapping, B, H, Hkv, d, act,
                       cache_code, 3);
@@ -426,12 +447,13 @@ int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void
             kvq_decode_attention_team(qf, kc, vc, ks, vs, block_tables, bt_stride, seq_lens, of, B, H, Hkv, d, bs,
                                       scale, cache_code, chunk, first, part, act == 4, mc == 4 ? (uint16_t *)o : NULL);
             linear_team(kind, o_in, B, H * d, w_o, (const void *)p[11], n, a, xsum);
-            rms_norm_team(x, a, mc, (const void *)p[5], norm_code, eps, h, mc, B, n, act);
-            linear_team(kind, h, B, n, w_gu, (const void *)p[12], 2 * I, gu, xsum);
+            if (own) rms_norm_rows(xr, a, mc, (const void *)p[5], norm_code, eps, hr, mc, 0, 1, n, act);
+            else rms_norm_team(x, a, mc, (const void *)p[5], norm_code, eps, h, mc, B, n, act);
+            linear_team(kind, hr, B, n, w_gu, (const void *)p[12], 2 * I, gu, xsum);
             silu_mul_team(gu, mc, g, mc, B, I, act);
             linear_team(kind, g, B, I, w_down, (const void *)p[13], n, delta, xsum);
         }
-        rms_norm_team(x, delta, mc, final_norm, norm_code, eps, out, act, B, n, act);  /* ends with a barrier */
+        rms_norm_team(xr, delta, mc, final_norm, norm_code, eps, out, act, B, n, act);  /* ends with a barrier */
         if (lm_head) {
             if (lm_in) {
 #pragma omp for schedule(static)
@@ -453,6 +475,7 @@ int kvs_llama_decode(const int64_t *layers, int L, int kind, int norm_code, void
         }
     }
     if (logits != logits_out) free(logits);
+    free(rows_own);
     free(lm_in);
     free(x_own);
     free(out_own);
