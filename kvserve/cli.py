@@ -71,6 +71,19 @@ def sampling_from_args(a: argparse.Namespace) -> SamplingParams:
                           stop=a.stop, stop_token_ids=a.stop_token_ids, ignore_eos=a.ignore_eos)
 
 
+def int_at_least(low: int):
+    """argparse type: an integer >= ``low`` (the message names the bound; argparse adds the flag)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
 def _port(text: str) -> int:
     """A TCP port, 1-65535, checked before the model loads (0, any free port, is refused: the banner and
     the logs would say :0, not the port bound)."""

@@ -27,21 +27,8 @@ def _temperature(text: str) -> float:
     return value
 
 
-def _int_at_least(low: int):
-    """argparse type: an integer >= ``low``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
-
-
 def add_bench_parser(sub) -> None:
-    from kvserve.cli import add_engine_args
+    from kvserve.cli import add_engine_args, int_at_least as _int_at_least
 
     b = sub.add_parser("bench", help="benchmarks beside the roofline / a peer")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -6,8 +6,7 @@ import json
 
 
 def add_eval_parser(sub) -> None:
-    from kvserve.bench.cli import _int_at_least
-    from kvserve.cli import add_engine_args
+    from kvserve.cli import add_engine_args, int_at_least as _int_at_least
 
     e = sub.add_parser("eval", help="quality measurements (perplexity, KV dtype comparison)")
     esub = e.add_subparsers(dest="eval", required=True)
