@@ -400,6 +400,32 @@ def test_bundled_model_answers_the_same_with_packed_weights(smollm2, smollm2_q4)
         assert a.split()[0] == b.split()[0], (prompt, a, b)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bundled_model_one_sequence_decodes_the_same_through_the_plan(dtype):
+    """A step of one sequence takes the one C call's one-row path (each thread its own residual copy and
+    norms): the same tokens and the very same logprobs as the module path, for the bundled model's
+    576-wide rows. An adversarial review found the one-row path's inlined copy of the RMSNorm summing
+    its squares in another order than kvs_add_rms_norm (the module path's) under -fassociative-math:
+    logprobs differed at every prompt and greedy tokens parted for 2 of 6 prompts; tiny-llama's 64-wide
+    rows and the batch-of-17 test above did not show it."""
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m", dtype=dtype, weight_dtype="auto" if dtype == "float32" else "int4", progress=False,
+              max_model_len=256, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    sp = SamplingParams(max_tokens=24, temperature=0, logprobs=2, ignore_eos=True)
+    prompts = [[(1000 + 37 * i + 7 * s) % 40000 + 100 for i in range(n)] for s, n in enumerate([1, 17, 100])]
+    runs = []
+    for use_plan in (True, False):
+        model.use_decode_plan = use_plan
+        model._plans.clear()
+        runs.append([(o.outputs[0].token_ids, [x.top_logprobs for x in o.outputs[0].logprobs])
+                     for o in (llm.generate([p], sp)[0] for p in prompts)])  # one request at a time: B = 1
+    assert model.decode_plan(llm.engine.runner.kv_caches).one_call_layers is not None
+    for a, b in zip(*runs):
+        assert a == b
+
+
 def test_bundled_float32_model_with_packed_weights_decodes_the_same_through_the_plan():
     """The default configuration (float32 activations, the GGUF's int4 matrices and int8 LM head): the
     decode plan (one C call here) and the module path give the same tokens and the very same logprobs for

@@ -218,8 +218,12 @@ static inline void rms_norm_row_bf16(uint16_t *x, const uint16_t *residual, cons
  * x += residual (residual in res_code; x is updated in place, rounded to the activation dtype, as eager
  * `x + residual` would be): out = x / sqrt(mean(x^2) + eps) * w, in float32, rounded to the activation
  * dtype and stored in out_code (bfloat16 out of a float32 model = the eager result cast to bf16).
- * w: [n] in w_code (3 or 4). */
-static void rms_norm_rows(void *x, const void *residual, int res_code, const void *w, int w_code, float eps,
+ * w: [n] in w_code (3 or 4). Never inlined: every caller (kvs_add_rms_norm, the module path's; the
+ * one-call step's norms, one-row or not) runs this one compiled copy. -fassociative-math lets the compiler
+ * vectorize the sum of squares differently in each inlined copy, and the one-row step's copy summed in
+ * another order than kvs_add_rms_norm's: its logprobs differed from the module path's (adversarial
+ * review). */
+static __attribute__((noinline)) void rms_norm_rows(void *x, const void *residual, int res_code, const void *w, int w_code, float eps,
                           void *out, int out_code, int64_t t0, int64_t t1, int n, int act) {
     for (int64_t t = t0; t < t1; t++) {
 #ifdef __AVX512F__
