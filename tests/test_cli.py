@@ -494,6 +494,32 @@ def test_bench_latency_unwritable_json_fails_before_benchmarking(tmp_path, capsy
             assert rc != 0 and f"{flag} '{path}': cannot write a file there" in capsys.readouterr().err, argv
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["--contexts", "32,600"], "--output-tokens 32 + the longest of contexts (600 tokens) = 632 exceeds max_model_len 512"),
+    (["--contexts", "32", "--output-tokens", "481"],
+     "--output-tokens 481 + the longest of contexts (32 tokens) = 513 exceeds max_model_len 512"),
+    (["--contexts", "32", "--concurrency-prompt-tokens", "500"],
+     "--concurrency-prompt-tokens 500 + concurrency_output_tokens 64 = 564 exceeds max_model_len 512")])
+def test_bench_latency_lengths_past_max_model_len_fail_before_any_run(args, needle, capsys, monkeypatch):
+    """A context or concurrent request longer than the engine takes fails before the plain read and the
+    first runs (an adversarial review: it failed minutes in, when its run came), naming the limit."""
+    from kvserve.bench import latency
+    from kvserve.cli import main
+
+    monkeypatch.setattr(latency, "measure_read_bandwidth", lambda *a, **k: pytest.fail("benchmark ran"))
+    assert main(["bench", "latency", *TINY, *args]) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--contexts", "--concurrency"])
+def test_bench_latency_empty_lists_are_refused(flag, capsys):
+    from kvserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "latency", *TINY, flag, ""])
+    assert f"{flag}: expected at least one integer" in capsys.readouterr().err
+
+
 def test_bench_latency_repeats_flag_is_checked(capsys, monkeypatch):
     from kvserve.bench import latency
     from kvserve.cli import main

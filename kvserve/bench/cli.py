@@ -9,7 +9,9 @@ def _ints(text: str) -> list[int]:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if values and min(values) < 1:
+    if not values:  # an empty list ran nothing and printed an empty table, or none
+        raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+    if min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
     return values
 

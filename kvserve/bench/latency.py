@@ -157,10 +157,22 @@ def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency:
     ``repeats`` rounds, each: the 1 GiB plain read, every context, every concurrency, then the peer on
     the same prompts. Every figure reported is the median over the rounds, and each round's share of
     the plain read is taken against that round's own read: on a host whose bandwidth moves with other
-    tenants' load, one round can land on a quiet or a busy moment. ValueError if ``repeats`` < 1."""
+    tenants' load, one round can land on a quiet or a busy moment. ValueError if ``repeats`` < 1;
+    ConfigError (a ValueError) if the longest context plus ``output_tokens``, or ``conc_prompt_tokens``
+    plus ``conc_output_tokens``, exceeds the engine's max_model_len (checked before any run)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     eng = llm.engine
+    from kvserve.config import ConfigError
+
+    # before the plain read and the first runs (minutes), not when the run that breaks the limit comes
+    limit = eng.max_model_len
+    if contexts and max(contexts) + output_tokens > limit:
+        raise ConfigError(f"output_tokens {output_tokens} + the longest of contexts ({max(contexts)} tokens) = "
+                          f"{max(contexts) + output_tokens} exceeds max_model_len {limit}")
+    if concurrency and conc_prompt_tokens + conc_output_tokens > limit:
+        raise ConfigError(f"concurrency_prompt_tokens {conc_prompt_tokens} + concurrency_output_tokens "
+                          f"{conc_output_tokens} = {conc_prompt_tokens + conc_output_tokens} exceeds max_model_len {limit}")
     from kvserve.cli import _weight_kinds, kv_dtype_name
 
     setup = f"{_weight_kinds(eng).strip().strip('()')}; KV {kv_dtype_name(eng.kv_spec)}".lstrip("; ")
