@@ -400,6 +400,7 @@ def test_bundled_model_answers_the_same_with_packed_weights(smollm2, smollm2_q4)
         assert a.split()[0] == b.split()[0], (prompt, a, b)
 
 
+@needs_int4_kernel
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_bundled_model_one_sequence_decodes_the_same_through_the_plan(dtype):
     """A step of one sequence takes the one C call's one-row path (each thread its own residual copy and

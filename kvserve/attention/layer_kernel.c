@@ -223,8 +223,9 @@ static inline void rms_norm_row_bf16(uint16_t *x, const uint16_t *residual, cons
  * vectorize the sum of squares differently in each inlined copy, and the one-row step's copy summed in
  * another order than kvs_add_rms_norm's: its logprobs differed from the module path's (adversarial
  * review). */
-static __attribute__((noinline)) void rms_norm_rows(void *x, const void *residual, int res_code, const void *w, int w_code, float eps,
-                          void *out, int out_code, int64_t t0, int64_t t1, int n, int act) {
+static __attribute__((noinline)) void rms_norm_rows(void *x, const void *residual, int res_code, const void *w,
+                                                    int w_code, float eps, void *out, int out_code, int64_t t0,
+                                                    int64_t t1, int n, int act) {
     for (int64_t t = t0; t < t1; t++) {
 #ifdef __AVX512F__
         if (act == 4 && out_code == 4 && (!residual || res_code == 4)) {
