@@ -423,6 +423,29 @@ def test_auth_and_body_limit(small_server):
     wait_idle(small_server)
 
 
+def test_body_limit_stops_reading_a_chunked_upload_at_the_limit():
+    """A body without Content-Length is read only until it passes the limit, not whole and then measured
+    (an adversarial review sent 300 MB in chunks; the server held them all before its 413)."""
+    import asyncio
+
+    from pydantic import BaseModel
+    from starlette.requests import Request
+
+    from kvserve.server.errors import APIError, parse_body
+
+    sent = []
+
+    async def receive():  # an endless upload of 1 KiB chunks
+        sent.append(1024)
+        return {"type": "http.request", "body": b"x" * 1024, "more_body": True}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    with pytest.raises(APIError) as e:
+        asyncio.run(parse_body(Request(scope, receive), BaseModel, max_bytes=8192))
+    assert e.value.status == 413 and "8192" in str(e.value)
+    assert sum(sent) <= 8192 + 1024  # stopped at the first chunk past the limit
+
+
 # --------------------------------------------------------------- streamed usage (FAILURE-KINDS 8)
 def _openai(handle: ServerHandle):
     import openai

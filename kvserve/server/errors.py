@@ -68,10 +68,14 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -
     if length is not None and length.isdigit() and int(length) > max_bytes:
         raise APIError(413, f"request body of {length} bytes exceeds the limit of {max_bytes} bytes",
                        code="request_too_large")
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of {max_bytes} bytes",
-                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():  # a chunked upload has no Content-Length: stop once past the limit
+        size += len(chunk)
+        if size > max_bytes:  # request.body() read it all first (an adversarial review: a 300 MB body in memory)
+            raise APIError(413, f"request body of more than {max_bytes} bytes exceeds the limit of {max_bytes} bytes",
+                           code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
