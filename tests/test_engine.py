@@ -114,6 +114,20 @@ def test_bad_prompts_raise_named_errors(tiny):
     assert tiny.generate("still alive", SamplingParams(max_tokens=2))[0].finished
 
 
+def test_stop_lists_are_bounded():
+    """At the bounds a request is taken; one past them is an error naming the field and the bound."""
+    from kvserve.sampling_params import MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+
+    assert (MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS) == (32, 1000, 1000)  # the README's figures
+    SamplingParams(stop=["x" * 1000] * 32, stop_token_ids=list(range(1000)))
+    for kw, param, needles in [({"stop": ["a"] * 33}, "stop", ("32", "33")),
+                               ({"stop": ["a" * 1001]}, "stop", ("1000", "1001")),
+                               ({"stop_token_ids": [7] * 1001}, "stop_token_ids", ("1000", "1001"))]:
+        with pytest.raises(InvalidRequestError) as e:
+            SamplingParams(**kw)
+        assert e.value.param == param and all(n in str(e.value) for n in needles), str(e.value)
+
+
 def test_stop_token_id_and_stop_string_finish_reasons(tiny):
     base = tiny.generate("Stop here", GREEDY)[0].outputs[0]
     k = 6

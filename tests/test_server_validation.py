@@ -113,6 +113,10 @@ SAMPLING_CASES = [
     ("n_huge", {"n": 100000}, "n", ("100000", "128")),
     ("stop_ints", {"stop": [1]}, "stop", ()),
     ("stop_empty_string", {"stop": [""]}, "stop", ()),
+    # each token is checked against every stop string on the engine's thread: 600,000 of them stalled others
+    ("stop_too_many", {"stop": [f"s{i}" for i in range(33)]}, "stop", ("33", "32")),
+    ("stop_too_long", {"stop": ["x" * 1001]}, "stop", ("1001", "1000")),
+    ("stop_token_ids_too_many", {"stop_token_ids": list(range(1001))}, "stop_token_ids", ("1001", "1000")),
     ("seed_str", {"seed": "7"}, "seed", ()),
     ("seed_too_big", {"seed": 2**70}, "seed", (str(2**70),)),
     ("presence_penalty", {"presence_penalty": 3}, "presence_penalty", ("3", "2.0")),
