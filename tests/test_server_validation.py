@@ -590,12 +590,16 @@ def _joined_stream_logprobs(events: list) -> dict[int, dict]:
     return out
 
 
+@pytest.mark.parametrize("stop", [None, ["zzzzzzzz"]], ids=["no-stop", "held-back"])
 @pytest.mark.parametrize("echo", [False, True])
-def test_stream_logprobs_match_whole(client, echo):
+def test_stream_logprobs_match_whole(client, echo, stop):
     """Streamed legacy logprobs concatenate to the whole response's: with echo the first chunk carries the
-    prompt's tokens (first logprob null) and text_offset counts from the start of the choice's text."""
+    prompt's tokens (first logprob null) and text_offset counts from the start of the choice's text. A stop
+    string (one that never matches) makes the stream hold text back until it cannot begin a match: the
+    offsets still count every token's text (they counted the text sent, [0, 0, 0, ..., 1, 2, 3], found by an
+    adversarial review)."""
     body = {"prompt": "\nOnce upon a time", "max_tokens": 8, "n": 2, "temperature": 0, "logprobs": 1,
-            "echo": echo, "ignore_eos": True}
+            "echo": echo, "ignore_eos": True, "stop": stop}
     whole = client.post(CMPL, json=body).json()
     streamed = _joined_stream_logprobs(_sse_events(client.post(CMPL, json={**body, "stream": True})))
     assert sorted(streamed) == [0, 1]

@@ -167,7 +167,9 @@ class OpenAIServing:
         rid = fmt.new_id("cmpl")
         ended: set[int] = set()
         echoed: set[int] = set()
-        sent_chars: dict[int, int] = {}  # text already streamed per choice: text_offset counts from its start
+        # characters of the token pieces already streamed per choice: text_offset counts from their start, as
+        # the whole response's does (not the text sent: that lags while a stop string holds text back)
+        piece_chars: dict[int, int] = {}
         completion_tokens = 0
         try:
             async for i, out in self._merge(gens):
@@ -188,8 +190,8 @@ class OpenAIServing:
                             entries = list(out.prompt_logprobs or [None] * len(prepared[i].prompt_ids)) + entries
                     logprobs = None
                     if pieces:
-                        logprobs = fmt.completion_logprobs(self.tokenizer, pieces, entries, sent_chars.get(index, 0))
-                    sent_chars[index] = sent_chars.get(index, 0) + len(text)
+                        logprobs = fmt.completion_logprobs(self.tokenizer, pieces, entries, piece_chars.get(index, 0))
+                        piece_chars[index] = piece_chars.get(index, 0) + sum(len(piece) for piece in pieces)
                     if not text and not c.finished and logprobs is None:
                         continue
                     if c.finished:
