@@ -90,8 +90,10 @@ class OpenAIServing:
                 done, _ = await asyncio.wait({task}, timeout=0.2)
                 if done:
                     return task.result()
-                if await request.is_disconnected():
-                    raise asyncio.CancelledError("client disconnected")
+                if await request.is_disconnected():  # an answer no one reads; a CancelledError here was
+                    # logged by uvicorn as "Exception in ASGI application" with a traceback, once per disconnect
+                    raise APIError(499, "the client closed the request before its answer",
+                                   code="client_closed_request")
         finally:
             if not task.done():
                 task.cancel()
