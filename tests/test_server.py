@@ -70,6 +70,17 @@ def test_logit_bias_through_the_openai_client(client):
     assert plain.choices[0].text != r.choices[0].text  # the bias did something
 
 
+def test_models_retrieve_through_the_openai_client(client):
+    """GET /v1/models/{id} (the client's models.retrieve) answers the served model's card, and a 404
+    model_not_found for another name; it was a bare 404 route miss (adversarial review)."""
+    listed = client.models.list().data[0]
+    got = client.models.retrieve("tiny-llama")
+    assert got.id == listed.id == "tiny-llama" and got.created == listed.created and got.owned_by == "kvserve"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found" and "no-such-model" in e.value.body["message"]
+
+
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_stream_equals_non_stream_for_same_seed(client, kind):
     kw = dict(model="tiny-llama", max_tokens=20, temperature=0.9, top_p=0.9, seed=123)

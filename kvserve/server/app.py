@@ -63,10 +63,18 @@ def create_app(llm, api_key: str | None = None, model_name: str | None = None,
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card() -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
+                "max_model_len": llm.engine.max_model_len}
+
     @app.get("/v1/models", dependencies=protected)
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "kvserve",
-                                            "max_model_len": llm.engine.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=protected)  # the openai client's models.retrieve()
+    async def model(model_id: str):
+        serving.check_model(model_id)  # 404 model_not_found for another name
+        return model_card()
 
     @app.post("/v1/completions", dependencies=protected)
     async def completions(request: Request):
