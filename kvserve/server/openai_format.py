@@ -1,5 +1,7 @@
 """Building OpenAI response objects (completions and chat; whole and streamed chunks), logprobs in
-both formats, and per-token text pieces that concatenate exactly to the decoded text."""
+both formats, and per-token text pieces that concatenate exactly to the decoded text of the tokens
+returned (where a stop string ends the output, its tokens are among them, though the text stops before
+it, as in vLLM)."""
 from __future__ import annotations
 
 import time
