@@ -42,7 +42,8 @@ class SamplingParams:
     ``max_tokens=None`` means "up to the context length". ``stop`` strings are matched on the
     detokenized text and never returned; ``stop_token_ids`` end generation like EOS (the token's
     text is not returned). At most ``MAX_STOP`` (32) stop strings of ``MAX_STOP_CHARS`` (1,000)
-    characters and ``MAX_STOP_TOKEN_IDS`` (1,000) stop ids (OpenAI takes 4 stop strings). ``logprobs=k`` returns the sampled token's logprob plus the top k.
+    characters and ``MAX_STOP_TOKEN_IDS`` (1,000) stop ids (OpenAI takes 4 stop strings).
+    ``logprobs=k`` returns the sampled token's logprob plus the top k.
     ``prompt_logprobs=k`` also returns, for every prompt token after the first, its logprob given
     the tokens before it and the top k (the first prompt token has none).
     ``seed`` makes sampling reproducible whatever else shares the batch.
