@@ -30,21 +30,21 @@ def _temperature(text: str) -> float:
 
 
 def add_bench_parser(sub) -> None:
-    from kvserve.cli import add_engine_args, int_at_least as _int_at_least
+    from kvserve.cli import add_engine_args, int_at_least
 
     b = sub.add_parser("bench", help="benchmarks beside the roofline / a peer")
     bsub = b.add_subparsers(dest="bench", required=True)
     lat = bsub.add_parser("latency", help="batch-1 TTFT/ITL at several contexts; throughput under concurrency")
     lat.add_argument("--contexts", type=_ints, default=[128, 1024, 4096],
                      help="prompt lengths of the batch-1 runs, each run once if listed twice (default: 128,1024,4096)")
-    lat.add_argument("--output-tokens", type=_int_at_least(2), default=32,
+    lat.add_argument("--output-tokens", type=int_at_least(2), default=32,
                      help="tokens generated per batch-1 run (>= 2: ITL needs a decode step; default: 32)")
     lat.add_argument("--concurrency", type=_ints, default=[1, 4, 16],
                      help="concurrent requests per throughput run, each run once if listed twice; include 1 for "
                           "the 'vs batch 1' ratios (default: 1,4,16)")
-    lat.add_argument("--concurrency-prompt-tokens", type=_int_at_least(1), default=128,
+    lat.add_argument("--concurrency-prompt-tokens", type=int_at_least(1), default=128,
                      help="prompt length of each concurrent request (default: 128)")
-    lat.add_argument("--concurrency-output-tokens", type=_int_at_least(1), default=64,
+    lat.add_argument("--concurrency-output-tokens", type=int_at_least(1), default=64,
                      help="tokens each concurrent request generates (default: 64)")
     lat.add_argument("--compare", choices=["hf", "llama.cpp"], default=None,
                      help="run a peer on the same weights too: HF transformers, or llama.cpp (llama-cpp-python, "
@@ -53,7 +53,7 @@ def add_bench_parser(sub) -> None:
                      help="sampling temperature of every run, in [0, 2] (default 0: greedy); above 0 the whole "
                           "distribution is sampled (no top-k/top-p), so the sampler's cost is in the ITL; the "
                           "llama.cpp peer samples the same way")
-    lat.add_argument("--repeats", type=_int_at_least(1), default=1,
+    lat.add_argument("--repeats", type=int_at_least(1), default=1,
                      help="rounds (>= 1), each running the plain read, the contexts, the concurrency runs and the "
                           "peer; every column is reported as its median over the rounds, each round's %% read "
                           "against its own plain read: for hosts whose bandwidth moves with other tenants' load "
@@ -62,7 +62,7 @@ def add_bench_parser(sub) -> None:
     add_engine_args(lat)
     lat.set_defaults(func=cmd_bench_latency)
     pre = bsub.add_parser("prefix", help="TTFT of requests sharing a system prompt, prefix caching on vs off")
-    pre.add_argument("--num-requests", type=_int_at_least(1), default=16)
+    pre.add_argument("--num-requests", type=int_at_least(1), default=16)
     pre.add_argument("--system-tokens", type=int, default=1000)
     pre.add_argument("--question-tokens", type=int, default=24)
     pre.add_argument("--output-tokens", type=int, default=4)
@@ -70,7 +70,7 @@ def add_bench_parser(sub) -> None:
     pre.set_defaults(func=cmd_bench_prefix)
     spec = bsub.add_parser("spec", help="batch-1 speed with and without speculation (n-gram, or "
                                         "--draft-model), copy-heavy and chat")
-    spec.add_argument("--output-tokens", type=_int_at_least(2), default=96)
+    spec.add_argument("--output-tokens", type=int_at_least(2), default=96)
     add_engine_args(spec)
     spec.set_defaults(func=cmd_bench_spec)
     _add_serve_parser(bsub)

@@ -6,7 +6,7 @@ import json
 
 
 def add_eval_parser(sub) -> None:
-    from kvserve.cli import add_engine_args, int_at_least as _int_at_least
+    from kvserve.cli import add_engine_args, int_at_least
 
     e = sub.add_parser("eval", help="quality measurements (perplexity, KV dtype comparison)")
     esub = e.add_subparsers(dest="eval", required=True)
@@ -14,8 +14,8 @@ def add_eval_parser(sub) -> None:
                         description="Perplexity over the English text of CPython's pydoc_data.topics, each window "
                                     "one request scored with prompt logprobs and prefilled in chunks of "
                                     "--max-num-batched-tokens (default 256 here) so later chunks read the cache.")
-    p.add_argument("--context", type=_int_at_least(2), default=2048, help="tokens per window (>= 2)")
-    p.add_argument("--num-windows", type=_int_at_least(1), default=1, help="consecutive windows of the text to score")
+    p.add_argument("--context", type=int_at_least(2), default=2048, help="tokens per window (>= 2)")
+    p.add_argument("--num-windows", type=int_at_least(1), default=1, help="consecutive windows of the text to score")
     p.add_argument("--compare-kv-dtype", default=None,
                    choices=["auto", "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"],
                    help="also score with this KV dtype and report teacher-forced mean/max |Δ logprob|")
