@@ -24,13 +24,15 @@ class LLM:
     ``model``: a catalog name (default ``smollm2-135m``), a ``.gguf`` file, a HF directory, or a
     dummy preset (``load_format="dummy"``). ``kv_cache_memory``: bytes or a size like ``"512MiB"``;
     ``num_kv_blocks`` instead gives the pool in blocks. ``kv_cache_dtype``: auto|float32|bfloat16|fp8_e4m3|
-    fp8_e5m2|int8 (the 1-byte kinds keep a float32 scale per token and KV head). Raises ConfigError for bad settings.
+    fp8_e5m2|int8 (the 1-byte kinds keep a float32 scale per token and KV head). ``num_scheduler_steps``:
+    decode steps per engine step where the decode plan can run them back to back (``SchedulerConfig``).
+    Raises ConfigError for bad settings.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "float32", weight_dtype: str = "auto", load_format: str = "auto",
                  seed: int = 0, block_size: int = 16, kv_cache_memory: int | str | None = None,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int = 0, dummy_config=None, num_threads: int = 0, progress: bool = True,
+                 max_model_len: int = 0, num_scheduler_steps: int = 1, dummy_config=None, num_threads: int = 0, progress: bool = True,
                  enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
                  speculative_method: str | None = None, num_speculative_tokens: int = 3,
                  draft_model: str | None = None, draft_load_format: str = "auto",
@@ -42,7 +44,7 @@ class LLM:
             cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=mem, num_blocks=num_kv_blocks,
                               enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
+                                      max_model_len=max_model_len, num_scheduler_steps=num_scheduler_steps),
             spec_decode=SpecDecodeConfig(method=speculative_method, num_speculative_tokens=num_speculative_tokens,
                                          draft_model=draft_model, draft_load_format=draft_load_format,
                                          prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max))

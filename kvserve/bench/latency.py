@@ -37,6 +37,7 @@ class ContextResult:
     rounds: int = 1  # with --repeats: every figure above is the median over this many rounds
     itl_p50_rounds_ms: list[float] = field(default_factory=list)  # each round's ITL p50
     peer_itl_p50_rounds_ms: list[float] = field(default_factory=list)
+    itl_mean_rounds_ms: list[float] = field(default_factory=list)  # each round's mean ITL (TPOT)
 
 
 @dataclass
@@ -65,6 +66,9 @@ class LatencyReport:
     throughput: list[ThroughputResult] = field(default_factory=list)
     temperature: float = 0.0  # of every run; 0 = greedy
     read_rounds_gb_per_s: list[float] = field(default_factory=list)  # the 1 GiB plain read of each round
+    # decode steps per engine step (multi-step scheduling): above 1, tokens leave in bursts, the ITL p50
+    # is ~0 and the per-token figure compared (with the peer, across contexts) is the mean ITL (TPOT)
+    num_scheduler_steps: int = 1
 
 
 def random_prompt(n: int, vocab: int, seed: int | str) -> list[int]:
@@ -97,13 +101,13 @@ def run_context(llm, ctx: int, output_tokens: int, read_bw: float, temperature: 
     first = eng.num_steps + 1
     lat = llm.generate([prompt], sp)[0].latency
     decode = [s for s in eng.step_stats if s.step >= first and s.is_decode_only]
-    bytes_per_step = mean([s.total_bytes for s in decode])
+    bytes_per_step = sum(s.total_bytes for s in decode) / sum(s.num_steps for s in decode)  # per forward pass
     achieved = sum(s.total_bytes for s in decode) / sum(s.wall_s for s in decode)
     step_read = step_read_gb_per_s(bytes_per_step, read_bw)
     return ContextResult(ctx, lat.ttft_ms, lat.mean_itl_ms, lat.percentile_itl_ms(50), lat.percentile_itl_ms(90),
                          bytes_per_step, achieved / 1e9, bytes_per_step / read_bw * 1e3,
                          step_read_gb_per_s=step_read, read_share=achieved / read_bw,
-                         itl_p50_rounds_ms=[lat.percentile_itl_ms(50)])
+                         itl_p50_rounds_ms=[lat.percentile_itl_ms(50)], itl_mean_rounds_ms=[lat.mean_itl_ms])
 
 
 STEP_READ_MAX_BYTES = 1 << 30  # from the plain read's own size up, a step's bytes stream from DRAM anyway
@@ -177,7 +181,8 @@ def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency:
 
     setup = f"{_weight_kinds(eng).strip().strip('()')}; KV {kv_dtype_name(eng.kv_spec)}".lstrip("; ")
     report = LatencyReport(eng.model_name, str(eng.dtype).removeprefix("torch."), 0.0, setup=setup,
-                           threads=torch.get_num_threads(), temperature=temperature)
+                           threads=torch.get_num_threads(), temperature=temperature,
+                           num_scheduler_steps=eng.config.scheduler.num_scheduler_steps)
     llm.generate([random_prompt(16, eng.vocab_size, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     contexts, concurrency = list(dict.fromkeys(contexts)), list(dict.fromkeys(concurrency))  # each once, in order
     by_ctx: dict[int, list[ContextResult]] = {c: [] for c in contexts}
@@ -250,33 +255,40 @@ def format_report(rep: LatencyReport) -> str:
     setup = f"; {rep.setup}" if rep.setup else ""
     threads = f"; {rep.threads} thread{'s' if rep.threads != 1 else ''}" if rep.threads else ""
     sampling = f"; temperature {rep.temperature:g}, full distribution" if rep.temperature else "; greedy"
-    lines = [f"kvserve bench latency — {rep.model} ({rep.dtype}{setup}{threads}{sampling}); plain read bandwidth "
-             f"{rep.read_gb_per_s:.1f} GB/s",
+    burst = rep.num_scheduler_steps > 1
+    multi = f"; {rep.num_scheduler_steps} steps per burst" if burst else ""
+    lines = [f"kvserve bench latency — {rep.model} ({rep.dtype}{setup}{threads}{sampling}{multi}); plain read "
+             f"bandwidth {rep.read_gb_per_s:.1f} GB/s",
              "", "batch 1" + (f" (ratios: kvserve ÷ {peer}, < 1 = kvserve faster)" if _has_peer(rep) else "") + ":",
-             f"{'context':>8} {'TTFT ms':>9} {'ITL p50':>8} {'ITL p90':>8} {'MB/step':>8} {'GB/s':>6} {'% read':>7} "
+             f"{'context':>8} {'TTFT ms':>9} {'TPOT' if burst else 'ITL p50':>8} {'ITL p90':>8} {'MB/step':>8} "
+             f"{'GB/s':>6} {'% read':>7} "
              f"{'roofline ITL':>12} {'step read':>9} {'% step':>6}"
              + (f" {peer + ' TTFT':>14} {'ratio':>6} {peer + ' ITL':>13} {'ratio':>6}" if _has_peer(rep) else "")]
     for r in rep.contexts:
-        line = (f"{r.context_tokens:>8} {r.ttft_ms:>9.1f} {r.itl_p50_ms:>8.2f} {r.itl_p90_ms:>8.2f} "
+        line = (f"{r.context_tokens:>8} {r.ttft_ms:>9.1f} {_itl_ms(r, rep):>8.2f} {r.itl_p90_ms:>8.2f} "
                 f"{r.decode_bytes_per_step / 1e6:>8.1f} {r.achieved_gb_per_s:>6.1f} "
                 f"{100 * _read_share(r, rep):>6.0f}% {r.roofline_itl_ms:>9.2f} ms")
         line += (f" {r.step_read_gb_per_s:>9.1f} {100 * r.achieved_gb_per_s / r.step_read_gb_per_s:>5.0f}%"
                  if r.step_read_gb_per_s else f" {'-':>9} {'-':>6}")
         if r.peer_itl_p50_ms is not None:
             line += (f" {r.peer_ttft_ms:>14.1f} {r.ttft_ms / r.peer_ttft_ms:>5.2f}x {r.peer_itl_p50_ms:>13.2f} "
-                     f"{r.itl_p50_ms / r.peer_itl_p50_ms:>5.2f}x")
+                     f"{_itl_ms(r, rep) / r.peer_itl_p50_ms:>5.2f}x")
         lines.append(line)
     rounds = max((r.rounds for r in rep.contexts), default=1)
     if rounds > 1:
         reads = rep.read_rounds_gb_per_s
         lines.append(f"  medians of {rounds} rounds (plain read {min(reads):.1f}-{max(reads):.1f} GB/s; % read against "
-                     "each round's own); ITL p50 per round: "
-                     + "; ".join(f"{r.context_tokens}: " + " ".join(f"{v:.2f}" for v in r.itl_p50_rounds_ms)
-                                 for r in rep.contexts))
+                     f"each round's own); {'TPOT' if burst else 'ITL p50'} per round: "
+                     + "; ".join(f"{r.context_tokens}: " + " ".join(
+                         f"{v:.2f}" for v in (r.itl_mean_rounds_ms if burst else r.itl_p50_rounds_ms))
+                         for r in rep.contexts))
         if _has_peer(rep):
             lines.append(f"  {peer} ITL p50 per round: " + "; ".join(
                 f"{r.context_tokens}: " + " ".join(f"{v:.2f}" for v in r.peer_itl_p50_rounds_ms) for r in rep.contexts))
     slope = kv_slope_gb_per_s(rep)
+    if burst:
+        lines.append(f"  TPOT: mean gap between tokens; tokens leave in bursts of up to {rep.num_scheduler_steps} "
+                     "(ITL p50 ~0 inside a burst, ITL p90 the gap between bursts); MB/step: per forward pass")
     lines += ["  GB/s: bytes ÷ wall time of the decode-only steps (≈ MB/step ÷ mean ITL); "
               "% read: of the plain read (1 GiB, from DRAM); roofline ITL: MB/step at the plain read",
               "  step read: GB/s of a plain read of a buffer of one step's bytes, read again and again (from the cache",
@@ -310,6 +322,11 @@ def format_report(rep: LatencyReport) -> str:
     return "\n".join(lines)
 
 
+def _itl_ms(r: ContextResult, rep: LatencyReport) -> float:
+    """The row's per-token figure: its ITL p50, or with multi-step bursts its mean ITL (TPOT)."""
+    return r.itl_mean_ms if rep.num_scheduler_steps > 1 else r.itl_p50_ms
+
+
 def _read_share(r: ContextResult, rep: LatencyReport) -> float:
     """Achieved ÷ plain read: the row's own (median of its rounds' shares) or, without one, against
     the report's read."""
@@ -322,7 +339,7 @@ def kv_slope_gb_per_s(rep: LatencyReport) -> float | None:
     if len(rep.contexts) < 2:
         return None
     lo, hi = min(rep.contexts, key=lambda r: r.context_tokens), max(rep.contexts, key=lambda r: r.context_tokens)
-    dt = (hi.itl_p50_ms - lo.itl_p50_ms) / 1e3
+    dt = (_itl_ms(hi, rep) - _itl_ms(lo, rep)) / 1e3
     return (hi.decode_bytes_per_step - lo.decode_bytes_per_step) / dt / 1e9 if dt > 0 else None
 
 

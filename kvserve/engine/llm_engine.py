@@ -299,7 +299,7 @@ class LLMEngine:
         t0 = now()
         result = self.runner.execute(sched)
         wall = now() - t0
-        self._record_step(sched, t0, wall)
+        self._record_step(sched, t0, wall, result.num_steps)
         updated = self.scheduler.update(sched, result)
         touched: dict[str, _Parent] = {}
         for req, num_new in updated:
@@ -341,21 +341,23 @@ class LLMEngine:
         if req.is_finished:
             req.timeline.finished = now()
 
-    def _record_step(self, sched, t0: float, wall: float) -> None:
-        num_tokens = sched.num_tokens
+    def _record_step(self, sched, t0: float, wall: float, num_steps: int = 1) -> None:
+        """One StepStats for the engine step; a multi-step burst of ``num_steps`` decode steps (one token
+        per row each) counts the tokens, weight bytes and KV bytes of all of them, over its whole wall."""
+        num_tokens = sched.num_tokens * num_steps
         seq_lens = [s.num_computed_tokens + s.num_scheduled_tokens for s in sched.scheduled]
         self._step += 1
         self.step_stats.append(StepStats(
             step=self._step, start_s=t0, wall_s=wall, num_seqs=len(sched.scheduled), num_tokens=num_tokens,
             # a decoding sequence's one new token, plus the proposals verified with it (speculation)
-            num_decode_tokens=sum(s.num_scheduled_tokens for s in sched.scheduled
-                                  if s.is_decoding and s.num_scheduled_tokens == 1 + len(s.spec_token_ids)),
-            weight_bytes=(self.weight_bytes_per_step + num_tokens * self._embedding_row_bytes
+            num_decode_tokens=num_steps * sum(s.num_scheduled_tokens for s in sched.scheduled
+                                              if s.is_decoding and s.num_scheduled_tokens == 1 + len(s.spec_token_ids)),
+            weight_bytes=(num_steps * self.weight_bytes_per_step + num_tokens * self._embedding_row_bytes
                           + routed_expert_bytes_read(self.model)),  # MoE: only the experts this step used
-            kv_bytes_read=sum(self.kv_spec.kv_bytes_read(n, s.num_scheduled_tokens)  # sliding: window only
-                              for n, s in zip(seq_lens, sched.scheduled)),
+            kv_bytes_read=sum(self.kv_spec.kv_bytes_read(n + j, s.num_scheduled_tokens)  # sliding: window only
+                              for n, s in zip(seq_lens, sched.scheduled) for j in range(num_steps)),
             kv_bytes_per_token=self.kv_spec.bytes_per_token,
-            request_ids=tuple(s.request.request_id for s in sched.scheduled)))
+            request_ids=tuple(s.request.request_id for s in sched.scheduled), num_steps=num_steps))
 
     @staticmethod
     def _latency(req: Request):

@@ -73,9 +73,9 @@ class ModelRunner:
             return RunnerOutput()
         input_ids, positions, meta, layer_meta = self._prepare(sched)
         out = RunnerOutput()
-        if self._fused_greedy(sched, input_ids, positions, layer_meta, out):
-            return out
-        if self._fused_sample(sched, input_ids, positions, layer_meta, out):
+        if self._fused_greedy(sched, input_ids, positions, layer_meta, out) \
+                or self._fused_sample(sched, input_ids, positions, layer_meta, out):
+            self._more_steps(sched, input_ids, positions, layer_meta, out)
             return out
         logits = self._fused_logits(sched, input_ids, positions, layer_meta)
         if logits is not None:  # a decode step that samples, its LM head in the decode plan's C call
@@ -95,6 +95,40 @@ class ModelRunner:
         self._sample(sched, sample_idx, logits, out)
         return out
 
+    def _more_steps(self, sched: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                    out: RunnerOutput) -> None:
+        """Multi-step decoding (``num_scheduler_steps``): after a fused first step, up to
+        ``min(num_lookahead)`` more steps of every row, each fed the tokens the step before chose, into
+        ``out.more_tokens``; stops early once every row has stopped (an EOS or stop token id past its
+        ``min_tokens``; ``max_tokens`` and ``max_model_len`` already bound the lookahead). The inputs
+        are advanced in place (``advance_decode_inputs``); the steps skip the decode plan's storage check,
+        as no other code runs between them. A step the fused path cannot take (it would not, as nothing
+        about the rows changes) ends the burst."""
+        rows = sched.scheduled
+        num_steps = 1 + min(s.num_lookahead for s in rows)
+        if num_steps == 1:
+            return
+        reqs = [s.request for s in rows]
+        tokens = [out.sampled[r.request_id][0] for r in reqs]
+        more: list[list[int]] = [[] for _ in rows]
+        stopped = [_stops(r, t, 1) for r, t in zip(reqs, tokens)]
+        for j in range(1, num_steps):
+            if all(stopped):
+                break
+            advance_decode_inputs(input_ids, positions, meta, tokens)
+            step = RunnerOutput()
+            if not (self._fused_greedy(sched, input_ids, positions, meta, step, follow_storage=False)
+                    or self._fused_sample(sched, input_ids, positions, meta, step, follow_storage=False)):
+                break
+            tokens = [step.sampled[r.request_id][0] for r in reqs]
+            for i, (r, t) in enumerate(zip(reqs, tokens)):
+                more[i].append(t)
+                stopped[i] = stopped[i] or _stops(r, t, j + 1)
+            out.num_steps += 1
+        for r, m in zip(reqs, more):
+            if m:
+                out.more_tokens[r.request_id] = m
+
     def _sample(self, sched: SchedulerOutput, sample_idx: list[int], logits: torch.Tensor, out: RunnerOutput) -> None:
         """Sample the scheduled rows ``sample_idx`` from ``logits`` [len(sample_idx), vocab] into ``out``."""
         rows = [self._row(sched.scheduled[i].request) for i in sample_idx]
@@ -108,7 +142,7 @@ class ModelRunner:
                    for s in sched.scheduled)
 
     def _fused_sample(self, sched: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor, layer_meta,
-                      out: RunnerOutput) -> bool:
+                      out: RunnerOutput, follow_storage: bool = True) -> bool:
         """A decode step whose every row is plain greedy or plain sampled (``plain_sampled``: temperature,
         top-k, top-p, min-p; no logprobs or processors) on a model that can take it with the LM head and
         the sampling in its decode step's one C call (``decode_sample``): run it so and fill ``out``. Each
@@ -129,7 +163,7 @@ class ModelRunner:
             if sampled:
                 u[sampled] = draw_uniforms([rows[i].generator for i in sampled]).numpy()
             return (*sampling_arrays([None if r.params.greedy else r.params for r in rows]), u)
-        result = decode_sample(input_ids, positions, self.kv_caches, layer_meta, draw)
+        result = decode_sample(input_ids, positions, self.kv_caches, layer_meta, draw, follow_storage)
         if result is None:
             return False
         token_ids, logits = result
@@ -153,7 +187,7 @@ class ModelRunner:
         return decode_logits(input_ids, positions, self.kv_caches, layer_meta)
 
     def _fused_greedy(self, sched: SchedulerOutput, input_ids: torch.Tensor, positions: torch.Tensor, layer_meta,
-                      out: RunnerOutput) -> bool:
+                      out: RunnerOutput, follow_storage: bool = True) -> bool:
         """A decode step whose every row wants the plain greedy token (the argmax of the raw logits: no
         logprobs, penalties, bias or min_tokens left) on a model that can take it with the LM head in its
         decode step's one C call (``greedy_decode``): run it so and fill ``out``. False, with nothing run,
@@ -163,7 +197,7 @@ class ModelRunner:
             return False
         if not all(plain_greedy(self._row(s.request)) for s in sched.scheduled):
             return False
-        token_ids = greedy_decode(input_ids, positions, self.kv_caches, layer_meta)
+        token_ids = greedy_decode(input_ids, positions, self.kv_caches, layer_meta, follow_storage)
         if token_ids is None:
             return False
         for s, tok in zip(sched.scheduled, token_ids):
@@ -251,6 +285,35 @@ class ModelRunner:
         return SamplingRow(params=req.sampling_params, generator=req.generator,
                            prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
                            eos_token_ids=req.eos_token_ids)
+
+
+def _stops(req, token_id: int, num_new: int) -> bool:
+    """The scheduler's EOS / stop-token-id rule (``Scheduler._check_stop``) for the ``num_new``-th token
+    a request gets in this engine step: the burst need not go on for it."""
+    p = req.sampling_params
+    if req.num_output_tokens + num_new < p.min_tokens:
+        return False
+    return (not p.ignore_eos and token_id in req.eos_token_ids) or token_id in p.stop_token_ids
+
+
+def advance_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                          token_ids: list[int]) -> None:
+    """Turn a decode step's inputs (B rows of one token each) into the next step's, in place: each row's
+    input the token it just got (``token_ids``), its position + 1 and ``seq_lens`` + 1, its new slot
+    ``block_tables[row, pos // block_size] * block_size + pos % block_size`` (the block must be in its
+    table already: the scheduler's lookahead slots), and the mask for the longer sequences.
+    ``input_ids``, ``positions``, ``meta.slot_mapping``, ``meta.seq_lens``: [B] int64; ``block_tables``:
+    [B, max_blocks] int64, all CPU tensors (numpy views write them without a torch call each)."""
+    bs = meta.block_size
+    pos = positions.numpy()
+    pos += 1
+    meta.seq_lens.numpy()[:] += 1
+    input_ids.numpy()[:] = token_ids
+    tables = meta.block_tables.numpy()
+    meta.slot_mapping.numpy()[:] = tables[np.arange(len(pos)), pos // bs] * bs + pos % bs
+    meta.seq_lens_list = [n + 1 for n in meta.seq_lens_list]
+    if meta.decode_mask is not None:
+        meta.decode_mask = meta._build_decode_mask()
 
 
 class _OneTokenInputs:

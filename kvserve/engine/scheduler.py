@@ -31,6 +31,9 @@ class ScheduledRequest:
     block_tables: list[list[int]]
     sample: bool
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify (last tokens of the chunk)
+    # KV slots held beyond this step's tokens for more decode steps in the same engine step
+    # (num_scheduler_steps > 1): the runner may run up to 1 + num_lookahead steps of this row
+    num_lookahead: int = 0
 
     @property
     def is_decoding(self) -> bool:
@@ -69,6 +72,10 @@ class RunnerOutput:
     """Sampled token (and logprobs) per request id that had ``sample=True``."""
 
     sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+    # multi-step decoding: the tokens of the steps after the first, in order (no logprobs), per request id;
+    # every row of the engine step ran num_steps steps (tokens after a row's stop are dropped by update)
+    more_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_steps: int = 1
     # speculative requests: verified tokens (accepted proposals + one corrected/bonus token)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # request id -> (first position, logprobs of the prompt tokens that follow positions first, first+1, ...)
@@ -120,6 +127,13 @@ class Scheduler:
             if n <= 0:  # nothing to compute (cannot happen while running; kept as a guard)
                 i += 1
                 continue
+            look = self._lookahead(req, n, len(self.running) - i - 1)
+            if look and self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n + look,
+                                               num_computed_tokens=req.num_computed_tokens):
+                out.scheduled.append(self._entry(req, n, look))
+                budget -= n
+                i += 1
+                continue
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n,
                                              num_computed_tokens=req.num_computed_tokens):
                 victim = self.running.pop()
@@ -133,6 +147,22 @@ class Scheduler:
                 continue
             break  # req itself was preempted: every later request already was too
         return budget
+
+    def _lookahead(self, req: Request, n: int, num_later: int) -> int:
+        """KV slots to hold beyond a decode's one token for ``num_scheduler_steps - 1`` more steps: no
+        more than its ``max_tokens`` and ``max_model_len`` leave it (a step past either would be dropped),
+        and only while the pool keeps a free block for each of the ``num_later`` running requests
+        scheduled after it (slots for later steps never push another request out). 0 for a prefill
+        chunk or a speculative verification."""
+        steps = self.config.num_scheduler_steps
+        if steps <= 1 or n != 1 or req.spec_token_ids or req.num_computed_tokens + 1 != req.num_tokens \
+                or req.num_output_tokens == 0:
+            return 0
+        look = min(steps - 1, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+        if look <= 0:
+            return 0
+        extra = self.kv.num_new_blocks_needed(req.request_id, req.num_tokens + look)
+        return look if extra + num_later <= self.kv.pool.num_free_blocks else 0
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []
@@ -165,12 +195,13 @@ class Scheduler:
             return False
         return any(r.parent_id == req.parent_id and r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
 
-    def _entry(self, req: Request, n: int) -> ScheduledRequest:
+    def _entry(self, req: Request, n: int, num_lookahead: int = 0) -> ScheduledRequest:
         missing = req.num_tokens - req.num_computed_tokens
         spec = req.spec_token_ids[:max(0, n - missing)]  # proposals that fit in the budget
         req.spec_token_ids = []
         return ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_tables(req.request_id),
-                                sample=req.num_computed_tokens + n >= req.num_tokens, spec_token_ids=spec)
+                                sample=req.num_computed_tokens + n >= req.num_tokens, spec_token_ids=spec,
+                                num_lookahead=num_lookahead)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req.request_id)
@@ -203,7 +234,13 @@ class Scheduler:
                 new = [(t, None) for t in tokens]
             else:
                 new = [result.sampled[req.request_id]]
+                more = result.more_tokens.get(req.request_id)
+                if more:  # multi-step: each step computed one more token's KV (its input)
+                    new += [(t, None) for t in more]
+                    req.num_computed_tokens += len(more)
             n_new = self._append(req, new)
+            # a row that stopped inside a burst computed KV past its last kept token: not part of it
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_keys)
             updated.append((req, n_new))
         return updated

@@ -76,4 +76,8 @@ def _format_steps(steps: list[StepStats], max_rows: int) -> list[str]:
     bw = sum(s.total_bytes for s in decode) / sum(s.wall_s for s in decode)
     kv_share = mean([s.kv_bytes_read / s.total_bytes for s in decode])
     out.append(f"  mean: {bw / 1e9:.2f} GB/s achieved; KV is {100 * kv_share:.1f}% of the bytes per step")
+    bursts = [s.num_steps for s in decode if s.num_steps > 1]
+    if bursts:
+        out.append(f"  {len(bursts)} rows are multi-step bursts (num_scheduler_steps) of up to {max(bursts)} decode "
+                   "steps: their tokens, bytes and time are those of all their steps")
     return out

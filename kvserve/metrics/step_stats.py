@@ -42,7 +42,9 @@ def _reports_routed_experts(cls: type) -> bool:
 class StepStats:
     """One engine step. ``num_decode_tokens``: tokens of sequences that are decoding, i.e. one new token
     each plus, with speculative decoding, the proposals verified beside it; the rest of ``num_tokens``
-    are prompt (prefill) tokens. Bytes are those the step had to read; ``wall_s`` in seconds."""
+    are prompt (prefill) tokens. Bytes are those the step had to read; ``wall_s`` in seconds.
+    ``num_steps``: forward passes in it, >1 for a multi-step burst (``num_scheduler_steps``), whose
+    tokens and bytes are those of all its passes."""
 
     step: int
     start_s: float
@@ -54,6 +56,7 @@ class StepStats:
     kv_bytes_read: int
     kv_bytes_per_token: int
     request_ids: tuple[str, ...] = ()
+    num_steps: int = 1
 
     @property
     def num_prefill_tokens(self) -> int:

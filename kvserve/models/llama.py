@@ -146,22 +146,25 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def greedy_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                      meta: AttentionMetadata | Sequence[AttentionMetadata]) -> list[int] | None:
+                      meta: AttentionMetadata | Sequence[AttentionMetadata],
+                      follow_storage: bool = True) -> list[int] | None:
         """A decode step (every sequence one new token) and each sequence's greedy next token,
         ``argmax(compute_logits(forward(...)))`` (the first maximum, or the first NaN), with the LM head in
-        the decode plan's one C call (:meth:`LlamaDecodePlan.greedy`). None, with nothing run, where that
-        path does not apply: then ``forward`` and ``compute_logits`` give the same ids."""
+        the decode plan's one C call (:meth:`LlamaDecodePlan.greedy`, which says what ``follow_storage``
+        skips). None, with nothing run, where that path does not apply: then ``forward`` and
+        ``compute_logits`` give the same ids."""
         plan = self._plan_for(kv_caches, meta, verify=False)
-        return None if plan is None else plan.greedy(input_ids, positions, meta)
+        return None if plan is None else plan.greedy(input_ids, positions, meta, follow_storage)
 
     def decode_sample(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                       meta: AttentionMetadata | Sequence[AttentionMetadata],
-                      draw: Callable[[], tuple[np.ndarray, ...]]) -> tuple[list[int], torch.Tensor] | None:
+                      draw: Callable[[], tuple[np.ndarray, ...]],
+                      follow_storage: bool = True) -> tuple[list[int], torch.Tensor] | None:
         """A decode step whose rows are greedy or sample from the raw logits, its LM head and
         sampling in the decode plan's one C call (:meth:`LlamaDecodePlan.sample`, which says what ``draw``
         gives): (ids, logits). None, with nothing run, where :meth:`greedy_decode` would return None."""
         plan = self._plan_for(kv_caches, meta, verify=False)
-        return None if plan is None else plan.sample(input_ids, positions, meta, draw)
+        return None if plan is None else plan.sample(input_ids, positions, meta, draw, follow_storage)
 
     def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                       meta: AttentionMetadata | Sequence[AttentionMetadata]) -> torch.Tensor | None:

@@ -165,23 +165,32 @@ class LlamaDecodePlan:
         self._warm_objects()
         return out
 
-    def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> list[int] | None:
+    def greedy(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               follow_storage: bool = True) -> list[int] | None:
         """The step and each row's greedy next token (``kvs_argmax_rows`` of its logits: the first maximum,
         or the first NaN), with the LM head in the same C call as the layers: the ids the module path's
         ``compute_logits`` and the greedy sampler give, without returning to Python in between (SmolLM2
         int4: ~0.5 ms of Python and a thread wake-up per step at 4096 tokens). None, with nothing run,
-        where the head has no kernel there (see ``lm_head``) or the step has too many rows for it."""
-        self._follow_storage()
+        where the head has no kernel there (see ``lm_head``) or the step has too many rows for it.
+
+        ``follow_storage=False`` skips the check that the weights still live where the plan was built
+        (~100 µs on a decode step: ~200 data pointers read from cold caches) and the prefetch behind it:
+        only for a step that follows a call of this plan with no other code in between (the steps of
+        one multi-step burst), where nothing can have given a parameter new storage."""
+        if follow_storage:
+            self._follow_storage()
         B = input_ids.shape[0]
         if not self._head_in_call(B):
             return None
         self._reserve_token_ids(B)
         self._step(input_ids, positions, meta, self._token_ids)  # the C call writes the first B
-        self._warm_objects()
+        if follow_storage:
+            self._warm_objects()
         return self._token_ids_np[:B].tolist()
 
     def sample(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-               draw: Callable[[], tuple[np.ndarray, ...]]) -> tuple[list[int], torch.Tensor] | None:
+               draw: Callable[[], tuple[np.ndarray, ...]],
+               follow_storage: bool = True) -> tuple[list[int], torch.Tensor] | None:
         """The step and each row's next token with the LM head and the sampling in the same C call, for a
         step whose rows are greedy or sample from the raw logits. ``draw()`` is called once the step is
         sure to run and returns per row temperature (float32 [B], 0: greedy), top-k (int32 [B], 0: off),
@@ -190,10 +199,12 @@ class LlamaDecodePlan:
         sampler's ``kvs_sample_rows`` for that u (-1 for logits with a NaN or only -inf, which the caller
         decides from the logits). Returns (ids, logits [B, vocab] as :meth:`logits` returns them); None,
         with nothing run and ``draw`` not called, where :meth:`greedy` would return None.
+        ``follow_storage``: as :meth:`greedy`.
 
         Raises:
             ValueError: ``draw()`` did not give five arrays of B values."""
-        self._follow_storage()
+        if follow_storage:
+            self._follow_storage()
         B = input_ids.shape[0]
         if not self._head_in_call(B):
             return None
@@ -205,7 +216,8 @@ class LlamaDecodePlan:
         self._reserve_token_ids(B)
         logits = self._logits_buffer(B)
         self._step(input_ids, positions, meta, self._token_ids, logits, sampling)
-        self._warm_objects()
+        if follow_storage:
+            self._warm_objects()
         return self._token_ids_np[:B].tolist(), logits
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:

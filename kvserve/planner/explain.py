@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from kvserve.bench.latency import random_prompt
-from kvserve.metrics.stats import mean
 from kvserve.planner.cost import Workload, plan
 from kvserve.planner.probe import ProbeResult
 from kvserve.planner.shapes import ModelShape
@@ -52,14 +51,15 @@ def engine_workload(llm, context_tokens: int, output_tokens: int) -> tuple[Model
 
 
 def measure_context(llm, context_tokens: int, output_tokens: int) -> tuple[float, float, float]:
-    """(TTFT ms without tokenization, mean ITL ms, mean bytes per decode step from StepStats)."""
+    """(TTFT ms without tokenization, mean ITL ms, mean bytes per decode step (forward pass) from StepStats)."""
     eng = llm.engine
     prompt = random_prompt(context_tokens, eng.vocab_size, seed=context_tokens)
     first = eng.num_steps + 1
     sp = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
     lat = llm.generate([prompt], sp)[0].outputs[0].latency
     decode = [s for s in eng.step_stats if s.step >= first and s.is_decode_only]
-    return lat.ttft_ms - lat.tokenize_ms, lat.mean_itl_ms, mean([s.total_bytes for s in decode])
+    per_pass = sum(s.total_bytes for s in decode) / sum(s.num_steps for s in decode) if decode else 0.0
+    return lat.ttft_ms - lat.tokenize_ms, lat.mean_itl_ms, per_pass
 
 
 def run_explain(llm, probe: ProbeResult, contexts: list[int], output_tokens: int,
