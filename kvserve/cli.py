@@ -42,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="decode steps per engine step (multi-step scheduling: tokens leave in bursts; default 1)")
+                   help="decode steps per engine step, 1-64 (multi-step scheduling: tokens leave in bursts; default 1)")
     g.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder layers (fewer per-op overheads; the first steps compile)")

@@ -166,3 +166,17 @@ def test_bench_latency_with_bursts_reports_per_pass_bytes_and_tpot(monkeypatch):
     text = format_report(rep)
     assert "8 steps per burst" in text and "TPOT" in text.splitlines()[3]
     assert text.splitlines()[4].split()[2] == "9.00" and "0.90x" in text
+
+
+def test_anatomy_step_table_says_which_rows_are_bursts():
+    from kvserve.metrics.report import _format_steps
+    from kvserve.metrics.step_stats import StepStats
+
+    def step(i, n):
+        return StepStats(step=i, start_s=0.0, wall_s=0.004 * n, num_seqs=1, num_tokens=n, num_decode_tokens=n,
+                         weight_bytes=100 * n, kv_bytes_read=10 * n, kv_bytes_per_token=10, num_steps=n)
+
+    assert not any("burst" in line for line in _format_steps([step(1, 1), step(2, 1)], 10))
+    one = "\n".join(_format_steps([step(1, 1), step(2, 8)], 10))
+    assert "1 row is a multi-step burst" in one and "of up to 8 decode steps" in one
+    assert "2 rows are multi-step bursts" in "\n".join(_format_steps([step(1, 3), step(2, 8)], 10))

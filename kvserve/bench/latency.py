@@ -288,7 +288,8 @@ def format_report(rep: LatencyReport) -> str:
     slope = kv_slope_gb_per_s(rep)
     if burst:
         lines.append(f"  TPOT: mean gap between tokens; tokens leave in bursts of up to {rep.num_scheduler_steps} "
-                     "(ITL p50 ~0 inside a burst, ITL p90 the gap between bursts); MB/step: per forward pass")
+                     "(ITL p50 ~0 inside a burst; ITL p90 a gap between bursts while bursts are under ~10 tokens,"
+                     " ~0 for longer ones); MB/step: per forward pass")
     lines += ["  GB/s: bytes ÷ wall time of the decode-only steps (≈ MB/step ÷ mean ITL); "
               "% read: of the plain read (1 GiB, from DRAM); roofline ITL: MB/step at the plain read",
               "  step read: GB/s of a plain read of a buffer of one step's bytes, read again and again (from the cache",

@@ -78,6 +78,9 @@ def _format_steps(steps: list[StepStats], max_rows: int) -> list[str]:
     out.append(f"  mean: {bw / 1e9:.2f} GB/s achieved; KV is {100 * kv_share:.1f}% of the bytes per step")
     bursts = [s.num_steps for s in decode if s.num_steps > 1]
     if bursts:
-        out.append(f"  {len(bursts)} rows are multi-step bursts (num_scheduler_steps) of up to {max(bursts)} decode "
-                   "steps: their tokens, bytes and time are those of all their steps")
+        rows = "1 row is a multi-step burst" if len(bursts) == 1 else f"{len(bursts)} rows are multi-step bursts"
+        out.append(f"  {rows} (num_scheduler_steps) of up to {max(bursts)} decode steps: a row's tokens, bytes and "
+                   "time are those of all its steps, and 'step' counts engine steps; a burst's tokens leave "
+                   "together, so the ITL percentiles above mix ~0 gaps inside bursts with the gaps between them "
+                   "(TPOT is the per-token time)")
     return out
