@@ -276,7 +276,8 @@ class SchedulerConfig:
 
     ``num_scheduler_steps`` (vLLM's multi-step scheduling): up to this many decode steps per engine
     step, run back to back without returning to the scheduler, where every row of a decode-only step
-    takes the plain greedy or plain sampled token in the decode plan's C call (otherwise one step).
+    takes the plain greedy or plain sampled token in the decode plan's C call (otherwise one step;
+    the scheduler's ``_add_lookahead`` says when a step gets the KV slots for a burst).
     The engine's bookkeeping between steps (scheduling, stop checks, detokenizing, outputs: a few
     hundred µs on a CPU) then happens once per burst; the tokens of a burst leave together, so a
     streaming client sees them in bursts and the gaps between tokens are ~0 inside a burst (the mean

@@ -180,3 +180,78 @@ def test_anatomy_step_table_says_which_rows_are_bursts():
     one = "\n".join(_format_steps([step(1, 1), step(2, 8)], 10))
     assert "1 row is a multi-step burst" in one and "of up to 8 decode steps" in one
     assert "2 rows are multi-step bursts" in "\n".join(_format_steps([step(1, 3), step(2, 8)], 10))
+
+
+def test_stop_string_before_a_stop_token_in_the_same_burst():
+    """Found by attacking it: a stop string completed at one token and a stop id (or EOS) later in the
+    same burst ended the row at the id, keeping the tokens between and the id's stop_reason. The string
+    came first, so it wins: the tokens end at its token, stop_reason is the string (as one step at a
+    time, where the row never reached the id)."""
+    one, many = tiny_llm(), tiny_llm(num_scheduler_steps=8)
+    prompt = [5, 6, 7]
+    toks = one.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    tok = one.engine.tokenizer
+    stop = tok.decode(toks[:3])[len(tok.decode(toks[:2])):]  # the text token 3 adds
+    assert stop and stop not in tok.decode(toks[:2])
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop], stop_token_ids=[toks[5]])
+    a, b = _run(one, [prompt], sp), _run(many, [prompt], sp)
+    assert a == b
+    assert a[0][0] == toks[:3] and a[0][2:] == ("stop", stop)
+
+
+def test_a_request_that_stops_inside_a_burst_leaves_its_full_blocks_cached():
+    """Found by attacking it: a request that stopped freed its blocks before its full ones were offered
+    to the prefix cache, so a follow-up prompt (prompt + answer + more) hit fewer tokens with bursts.
+    Hand-counted: 10 prompt + 15 output tokens, 4-token blocks: the 24 tokens of the first 6 blocks
+    are cached (the 25th token's KV was never computed), whatever the burst length."""
+    prompt = list(range(300, 310))
+    ref = tiny_llm(block_size=4).generate([prompt], SamplingParams(max_tokens=30, temperature=0,
+                                                                   ignore_eos=True))[0].outputs[0].token_ids
+    for steps in (1, 8):
+        llm = tiny_llm(block_size=4, num_scheduler_steps=steps)
+        kv = llm.engine.kv_manager
+        first = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                                                      stop_token_ids=[ref[14]]))[0].outputs[0]
+        assert first.token_ids == ref[:15]
+        hits = kv.num_hit_tokens
+        llm.generate([prompt + first.token_ids + [7, 8, 9]], SamplingParams(max_tokens=4, temperature=0))
+        assert kv.num_hit_tokens - hits == 24, steps
+
+
+def test_no_lookahead_in_steps_that_cannot_burst():
+    """Found by attacking it: slots held ahead in a step mixing a prefill chunk with a decode (which runs
+    one step) took the blocks the prefill's next chunk needed and preempted it. Lookahead now comes
+    only to a step of decodes alone, with nothing waiting: the same preemptions (none) as one step at a
+    time."""
+    kw = dict(num_kv_blocks=20, block_size=4, enable_prefix_caching=False, max_model_len=80,
+              max_num_batched_tokens=8)
+    a, b = [5, 6, 7], list(range(100, 140))
+    ref = tiny_llm(**kw).generate([a], SamplingParams(max_tokens=12, temperature=0,
+                                                      ignore_eos=True))[0].outputs[0].token_ids
+    sp = [SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, stop_token_ids=[ref[8]]),
+          SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)]
+    base = tiny_llm(**kw)
+    want = _run(base, [a, b], sp)
+    for steps in (8, 64):
+        llm = tiny_llm(num_scheduler_steps=steps, **kw)
+        assert _run(llm, [a, b], sp) == want
+        assert llm.engine.scheduler.num_preemptions == base.engine.scheduler.num_preemptions == 0
+        assert _free_blocks(llm) == 20
+
+
+def test_sliding_window_model_runs_single_steps_and_says_so(caplog):
+    """Gemma-3's sliding-window layers have no one-call decode plan, so no bursts: the engine warns at
+    start, holds no slots ahead, and runs exactly the single-step schedule."""
+    import logging
+
+    kw = dict(load_format="dummy", progress=False, max_model_len=64, num_kv_blocks=104, block_size=4,
+              enable_prefix_caching=False)
+    prompts = [list(range(100 + 30 * i, 125 + 30 * i)) for i in range(3)]
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    one = LLM("tiny-gemma3", **kw)
+    with caplog.at_level(logging.WARNING):
+        many = LLM("tiny-gemma3", num_scheduler_steps=8, **kw)
+    assert "num_scheduler_steps=8 has no effect" in caplog.text
+    assert _run(one, prompts, sp) == _run(many, prompts, sp)
+    assert many.engine.num_steps == one.engine.num_steps
+    assert many.engine.scheduler.num_preemptions == one.engine.scheduler.num_preemptions

@@ -107,6 +107,11 @@ class LLMEngine:
                                          group_windows=[g.sliding_window for g in self.kv_spec.groups])
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_spec, num_blocks)
+        self.scheduler.can_burst = self.runner.can_burst
+        if config.scheduler.num_scheduler_steps > 1 and not self.runner.may_burst():
+            logger.warning("num_scheduler_steps=%d has no effect for %s: only a model whose decode steps run as "
+                           "the decode plan's one C call (no sliding-window layers, no --compile) runs bursts; "
+                           "every step is single", config.scheduler.num_scheduler_steps, config.model)
         # a draft model must fit beside the target's weights as held (packed ones packed) and its KV cache
         resident = self._weights_resident + num_blocks * self.kv_spec.bytes_per_block
         self.speculator = build_speculator(config.spec_decode, ckpt.config.vocab_size, self.dtype, config.seed,
@@ -326,8 +331,10 @@ class LLMEngine:
         stop = detok.update(new_ids, req.num_output_tokens)
         t_done = now()
         req.timeline.detokenize_s += t_done - t
-        if stop is not None and not stopped_by_token:
-            extra = len(new_ids) - detok.num_used  # accepted proposals after the stop string's token
+        if stop is not None:
+            # tokens after the stop string's token: accepted proposals, or a multi-step burst's later
+            # tokens, up to and including an EOS or stop id that ended the row after the string
+            extra = len(new_ids) - detok.num_used + stopped_by_token
             if extra:
                 del req.output_token_ids[-extra:], req.all_token_ids[-extra:]
                 if req.logprobs is not None and len(req.logprobs) > len(req.output_token_ids):

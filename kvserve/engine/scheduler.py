@@ -10,6 +10,7 @@ token is lost or repeated. Touches no tensors.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
@@ -92,6 +93,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.spec_stats = SpecStats()  # totals over all sequences
+        # multi-step decoding: whether these decoding requests can run a burst together (the engine
+        # sets it to the model runner's check); None: never
+        self.can_burst: Callable[[list[Request]], bool] | None = None
 
     # ------------------------------------------------------------------ queue
     def add_request(self, request: Request) -> None:
@@ -112,6 +116,7 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted_ids:
             self._schedule_waiting(out, budget)
+        self._add_lookahead(out)
         out.scheduled.sort(key=lambda s: s.num_scheduled_tokens != 1)  # decodes first (stable)
         t = now()
         for s in out.scheduled:
@@ -125,13 +130,6 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
             if n <= 0:  # nothing to compute (cannot happen while running; kept as a guard)
-                i += 1
-                continue
-            look = self._lookahead(req, n, len(self.running) - i - 1)
-            if look and self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n + look,
-                                               num_computed_tokens=req.num_computed_tokens):
-                out.scheduled.append(self._entry(req, n, look))
-                budget -= n
                 i += 1
                 continue
             while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n,
@@ -148,21 +146,37 @@ class Scheduler:
             break  # req itself was preempted: every later request already was too
         return budget
 
-    def _lookahead(self, req: Request, n: int, num_later: int) -> int:
-        """KV slots to hold beyond a decode's one token for ``num_scheduler_steps - 1`` more steps: no
-        more than its ``max_tokens`` and ``max_model_len`` leave it (a step past either would be dropped),
-        and only while the pool keeps a free block for each of the ``num_later`` running requests
-        scheduled after it (slots for later steps never push another request out). 0 for a prefill
-        chunk or a speculative verification."""
+    def _add_lookahead(self, out: SchedulerOutput) -> None:
+        """Multi-step decoding (``num_scheduler_steps`` K > 1): give every row of a step made only of
+        decodes that can run back to back (``can_burst``: plain greedy or plain sampled rows on a model
+        with the fused decode path) the KV slots of L more steps, the same L for all: at most K - 1, no
+        step past a row's ``max_tokens`` or ``max_model_len`` (it would be dropped), and halved until
+        the pool holds the new blocks of every row. Only when nothing waits (a burst would hold a
+        waiting request back by its length) and nothing was preempted; once the step is scheduled, so
+        the slots never cost another request its place."""
         steps = self.config.num_scheduler_steps
-        if steps <= 1 or n != 1 or req.spec_token_ids or req.num_computed_tokens + 1 != req.num_tokens \
-                or req.num_output_tokens == 0:
-            return 0
-        look = min(steps - 1, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+        if steps <= 1 or self.waiting or out.preempted_ids or not out.scheduled:
+            return
+        rows = out.scheduled
+        if not all(s.num_scheduled_tokens == 1 and not s.spec_token_ids and s.sample and s.is_decoding
+                   and s.request.num_output_tokens > 0 for s in rows):
+            return
+        if self.can_burst is None or not self.can_burst([s.request for s in rows]):
+            return
+        look = min(steps - 1, *(min(r.max_tokens - r.num_output_tokens, self.max_model_len - r.num_tokens) - 1
+                                for r in (s.request for s in rows)))
+        while look > 0 and sum(self.kv.num_new_blocks_needed(s.request.request_id, s.request.num_tokens + look)
+                               for s in rows) > self.kv.pool.num_free_blocks:
+            look //= 2
         if look <= 0:
-            return 0
-        extra = self.kv.num_new_blocks_needed(req.request_id, req.num_tokens + look)
-        return look if extra + num_later <= self.kv.pool.num_free_blocks else 0
+            return
+        for s in rows:
+            req = s.request
+            if not self.kv.allocate_slots(req.request_id, req.num_tokens + look,
+                                          num_computed_tokens=req.num_computed_tokens):
+                raise RuntimeError(f"lookahead slots for {req.request_id} did not fit after the pool said they would")
+            s.num_lookahead = look
+            s.block_tables = self.kv.block_tables(req.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []
@@ -195,13 +209,12 @@ class Scheduler:
             return False
         return any(r.parent_id == req.parent_id and r.num_computed_tokens < r.num_prompt_tokens for r in self.running)
 
-    def _entry(self, req: Request, n: int, num_lookahead: int = 0) -> ScheduledRequest:
+    def _entry(self, req: Request, n: int) -> ScheduledRequest:
         missing = req.num_tokens - req.num_computed_tokens
         spec = req.spec_token_ids[:max(0, n - missing)]  # proposals that fit in the budget
         req.spec_token_ids = []
         return ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_tables(req.request_id),
-                                sample=req.num_computed_tokens + n >= req.num_tokens, spec_token_ids=spec,
-                                num_lookahead=num_lookahead)
+                                sample=req.num_computed_tokens + n >= req.num_tokens, spec_token_ids=spec)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req.request_id)
@@ -239,17 +252,20 @@ class Scheduler:
                     new += [(t, None) for t in more]
                     req.num_computed_tokens += len(more)
             n_new = self._append(req, new)
-            # a row that stopped inside a burst computed KV past its last kept token: not part of it
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_keys)
             updated.append((req, n_new))
         return updated
 
     def _append(self, req: Request, new: list[tuple[int, TokenLogprobs | None]]) -> int:
+        """Append tokens until one stops the request. A request that stops caches its full blocks first
+        (its KV is computed up to its last token: a burst or a verification may have computed past it),
+        then returns its blocks."""
         for i, (token_id, logprobs) in enumerate(new):
             req.append_token(token_id, logprobs)
             status = self._check_stop(req, token_id)
             if status is not None:
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_keys)
                 self.finish_request(req.request_id, status)
                 return i + 1
         return len(new)

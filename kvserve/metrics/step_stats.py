@@ -44,7 +44,9 @@ class StepStats:
     each plus, with speculative decoding, the proposals verified beside it; the rest of ``num_tokens``
     are prompt (prefill) tokens. Bytes are those the step had to read; ``wall_s`` in seconds.
     ``num_steps``: forward passes in it, >1 for a multi-step burst (``num_scheduler_steps``), whose
-    tokens and bytes are those of all its passes."""
+    tokens and bytes are those of all its passes: a row that stopped inside the burst ran to its end, and
+    its tokens past the stop were computed (and counted here) but dropped, so a burst's ``num_tokens``
+    can exceed the tokens its requests got."""
 
     step: int
     start_s: float

@@ -180,7 +180,7 @@ class LlamaDecodePlan:
         if follow_storage:
             self._follow_storage()
         B = input_ids.shape[0]
-        if not self._head_in_call(B):
+        if not self.head_in_call(B):
             return None
         self._reserve_token_ids(B)
         self._step(input_ids, positions, meta, self._token_ids)  # the C call writes the first B
@@ -206,7 +206,7 @@ class LlamaDecodePlan:
         if follow_storage:
             self._follow_storage()
         B = input_ids.shape[0]
-        if not self._head_in_call(B):
+        if not self.head_in_call(B):
             return None
         arrays = tuple(draw())
         if len(arrays) != 5 or any(np.shape(a) != (B,) for a in arrays):
@@ -228,7 +228,7 @@ class LlamaDecodePlan:
         it before then. None, with nothing run, where :meth:`greedy` would return None."""
         self._follow_storage()
         B = input_ids.shape[0]
-        if not self._head_in_call(B):
+        if not self.head_in_call(B):
             return None
         out = self._logits_buffer(B)
         self._step(input_ids, positions, meta, logits=out)
@@ -247,8 +247,8 @@ class LlamaDecodePlan:
             self._logits = torch.empty(B, self._lm_args[3], dtype=dtype)
         return self._logits[:B]
 
-    def _head_in_call(self, B: int) -> bool:
-        """A step of B rows runs as the one C call with the LM head in it."""
+    def head_in_call(self, B: int) -> bool:
+        """A step of B rows runs as the one C call with the LM head in it (:meth:`greedy`, :meth:`sample`)."""
         return self.lm_head is not None and self.one_call_layers is not None and B < self.lm_head_rows
 
     def _follow_storage(self) -> None:
