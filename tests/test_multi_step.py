@@ -255,3 +255,15 @@ def test_sliding_window_model_runs_single_steps_and_says_so(caplog):
     assert _run(one, prompts, sp) == _run(many, prompts, sp)
     assert many.engine.num_steps == one.engine.num_steps
     assert many.engine.scheduler.num_preemptions == one.engine.scheduler.num_preemptions
+
+
+def test_model_without_the_one_call_path_warns_that_bursts_never_run(caplog):
+    """bfloat16 dense matrices have a decode plan but no one C call with the LM head (found by attacking
+    it: no warning, and the bench header still said "8 steps per burst")."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        llm = tiny_llm(dtype="bfloat16", weight_dtype="bfloat16", num_scheduler_steps=4)
+    assert "num_scheduler_steps=4 has no effect" in caplog.text
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert llm.engine.num_steps == 10 and all(s.num_steps == 1 for s in llm.engine.step_stats)

@@ -109,9 +109,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_spec, num_blocks)
         self.scheduler.can_burst = self.runner.can_burst
         if config.scheduler.num_scheduler_steps > 1 and not self.runner.may_burst():
-            logger.warning("num_scheduler_steps=%d has no effect for %s: only a model whose decode steps run as "
-                           "the decode plan's one C call (no sliding-window layers, no --compile) runs bursts; "
-                           "every step is single", config.scheduler.num_scheduler_steps, config.model)
+            logger.warning("num_scheduler_steps=%d has no effect for %s here: only a model whose decode steps run "
+                           "as the decode plan's one C call with the LM head (int4/int8 matrices, or float32 "
+                           "ones in a float32 model; no sliding-window layers, no --compile) runs bursts; every "
+                           "step is single", config.scheduler.num_scheduler_steps, config.model)
         # a draft model must fit beside the target's weights as held (packed ones packed) and its KV cache
         resident = self._weights_resident + num_blocks * self.kv_spec.bytes_per_block
         self.speculator = build_speculator(config.spec_decode, ckpt.config.vocab_size, self.dtype, config.seed,

@@ -96,19 +96,21 @@ class ModelRunner:
         return out
 
     def may_burst(self) -> bool:
-        """The model and cache layout can run multi-step bursts at all (see :meth:`can_burst`)."""
-        return (getattr(self.model, "decode_plan", None) is not None and getattr(self.model, "use_decode_plan", False)
-                and len(self.groups) == 1 and not any(g.sliding_window for g in self.groups))
+        """The model and cache layout can run multi-step bursts at all (see :meth:`can_burst`): a decode
+        plan whose one C call holds the layers and the LM head for one row (builds the plan if it is not
+        built yet)."""
+        if getattr(self.model, "decode_plan", None) is None or not getattr(self.model, "use_decode_plan", False) \
+                or len(self.groups) != 1 or any(g.sliding_window for g in self.groups):
+            return False
+        plan = self.model.decode_plan(self.kv_caches)
+        return plan is not None and plan.head_in_call(1)
 
     def can_burst(self, requests: list) -> bool:
         """Whether a decode-only step of these requests (one new token each) would take the fused path
         that multi-step bursts run on: every row plain greedy or plain sampled, a model whose decode plan
         runs the layers and the LM head in one C call here (no sliding-window layers), and a batch small
         enough for it. The scheduler asks before it holds KV slots for a burst."""
-        if not requests or not self.may_burst():
-            return False
-        plan = self.model.decode_plan(self.kv_caches)
-        if plan is None or not plan.head_in_call(len(requests)):
+        if not requests or not self.may_burst() or not self.model.decode_plan(self.kv_caches).head_in_call(len(requests)):
             return False
         rows = [self._row(r) for r in requests]
         return all(plain_greedy(r) or plain_sampled(r) for r in rows)
