@@ -267,3 +267,16 @@ def test_model_without_the_one_call_path_warns_that_bursts_never_run(caplog):
     assert "num_scheduler_steps=4 has no effect" in caplog.text
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     assert llm.engine.num_steps == 10 and all(s.num_steps == 1 for s in llm.engine.step_stats)
+
+
+def test_bench_latency_reports_single_steps_where_bursts_never_run(monkeypatch):
+    """A bfloat16 dense model never bursts: the report must not claim "4 steps per burst" nor swap its
+    ITL p50 column for TPOT."""
+    from kvserve.bench import latency
+
+    monkeypatch.setattr(latency, "measure_read_bandwidth", lambda n=1 << 30, repeats=5: 40e9)
+    never = latency.run_latency_bench(tiny_llm(dtype="bfloat16", weight_dtype="bfloat16", num_scheduler_steps=4),
+                                      [16], 4, [], 8, 2)
+    runs = latency.run_latency_bench(tiny_llm(num_scheduler_steps=4), [16], 4, [], 8, 2)
+    assert never.num_scheduler_steps == 1 and "per burst" not in latency.format_report(never)
+    assert runs.num_scheduler_steps == 4 and "4 steps per burst" in latency.format_report(runs)

@@ -182,7 +182,8 @@ def run_latency_bench(llm, contexts: list[int], output_tokens: int, concurrency:
     setup = f"{_weight_kinds(eng).strip().strip('()')}; KV {kv_dtype_name(eng.kv_spec)}".lstrip("; ")
     report = LatencyReport(eng.model_name, str(eng.dtype).removeprefix("torch."), 0.0, setup=setup,
                            threads=torch.get_num_threads(), temperature=temperature,
-                           num_scheduler_steps=eng.config.scheduler.num_scheduler_steps)
+                           # where bursts never run (the engine warned), the steps are single: say so
+                           num_scheduler_steps=eng.config.scheduler.num_scheduler_steps if eng.runner.may_burst() else 1)
     llm.generate([random_prompt(16, eng.vocab_size, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     contexts, concurrency = list(dict.fromkeys(contexts)), list(dict.fromkeys(concurrency))  # each once, in order
     by_ctx: dict[int, list[ContextResult]] = {c: [] for c in contexts}
