@@ -25,7 +25,7 @@ from kvserve.attention import AttentionMetadata
 from kvserve.attention.kv_quant import QuantizedKVCache, kind_of_dtype
 from kvserve.engine.sampler import (Sampler, SamplingRow, draw_uniforms, plain_greedy, plain_sampled, sample_from_probs,
                                     sampling_arrays, sampling_probs, token_logprobs)
-from kvserve.engine.scheduler import RunnerOutput, SchedulerOutput
+from kvserve.engine.scheduler import RunnerOutput, SchedulerOutput, stop_token
 from kvserve.spec_decode.verify import verify
 from kvserve.kv_cache.spec import KVCacheSpec
 
@@ -131,7 +131,7 @@ class ModelRunner:
         reqs = [s.request for s in rows]
         tokens = [out.sampled[r.request_id][0] for r in reqs]
         more: list[list[int]] = [[] for _ in rows]
-        stopped = [_stops(r, t, 1) for r, t in zip(reqs, tokens)]
+        stopped = [stop_token(r, t, r.num_output_tokens + 1) for r, t in zip(reqs, tokens)]
         for j in range(1, num_steps):
             if all(stopped):
                 break
@@ -143,7 +143,7 @@ class ModelRunner:
             tokens = [step.sampled[r.request_id][0] for r in reqs]
             for i, (r, t) in enumerate(zip(reqs, tokens)):
                 more[i].append(t)
-                stopped[i] = stopped[i] or _stops(r, t, j + 1)
+                stopped[i] = stopped[i] or stop_token(r, t, r.num_output_tokens + j + 1)
             out.num_steps += 1
         for r, m in zip(reqs, more):
             if m:
@@ -305,15 +305,6 @@ class ModelRunner:
         return SamplingRow(params=req.sampling_params, generator=req.generator,
                            prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
                            eos_token_ids=req.eos_token_ids)
-
-
-def _stops(req, token_id: int, num_new: int) -> bool:
-    """The scheduler's EOS / stop-token-id rule (``Scheduler._check_stop``) for the ``num_new``-th token
-    a request gets in this engine step: the burst need not go on for it."""
-    p = req.sampling_params
-    if req.num_output_tokens + num_new < p.min_tokens:
-        return False
-    return (not p.ignore_eos and token_id in req.eos_token_ids) or token_id in p.stop_token_ids
 
 
 def advance_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -83,6 +83,16 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
+def stop_token(req: Request, token_id: int, num_output_tokens: int) -> bool:
+    """Whether ``token_id``, as the request's ``num_output_tokens``-th output token, ends it: an EOS id
+    (unless ``ignore_eos``) or one of its ``stop_token_ids``, once ``min_tokens`` outputs exist. The
+    scheduler's rule, which the model runner also asks to end a multi-step burst early."""
+    p = req.sampling_params
+    if num_output_tokens < p.min_tokens:
+        return False
+    return (not p.ignore_eos and token_id in req.eos_token_ids) or token_id in p.stop_token_ids
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int):
         self.config = config
@@ -279,13 +289,11 @@ class Scheduler:
         self.spec_stats.record(len(s.spec_token_ids), num_accepted)
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
-        p = req.sampling_params
-        if req.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token_id in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in p.stop_token_ids:
+        if stop_token(req, token_id, req.num_output_tokens):
+            p = req.sampling_params
+            if p.ignore_eos or token_id not in req.eos_token_ids:  # a stop id, not an EOS: it is the reason
                 req.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
+            return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
