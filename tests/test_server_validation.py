@@ -216,6 +216,10 @@ CASES += [
          needles=("21", "20")),
     Case("top_logprobs_neg", CHAT, {"logprobs": True, "top_logprobs": -1}, param="top_logprobs", needles=("-1",)),
     Case("chat_logprobs_int", CHAT, {"logprobs": 1}, param="logprobs"),
+    # both set to true in the request (vLLM's check_generation_prompt); continue alone: test below
+    Case("continue_and_generation_prompt", CHAT, {"messages": user() + [{"role": "assistant", "content": "Hi"}],
+                                                  "continue_final_message": True, "add_generation_prompt": True},
+         param="continue_final_message", needles=("add_generation_prompt",)),
     # /tokenize, /detokenize
     Case("tokenize_neither", TOK, {}, replace=True, param="prompt"),
     Case("tokenize_both", TOK, {"messages": user()}, param="prompt"),
@@ -337,6 +341,19 @@ def test_max_tokens_0_chat(client):
 
 
 # ------------------------------------------------------------------- empty content (FAILURE-KINDS 14)
+def test_continue_final_message_alone_is_accepted(client):
+    """add_generation_prompt left at its default gives way to continue_final_message (as vLLM), and
+    setting it false explicitly gives the same prompt."""
+    conv = user() + [{"role": "assistant", "content": "Hi"}]
+    counts = []
+    for extra in ({}, {"add_generation_prompt": False}):
+        r = client.post(CHAT, json={"messages": conv, "max_tokens": 1, "continue_final_message": True, **extra})
+        assert r.status_code == 200, r.text
+        counts.append(r.json()["usage"]["prompt_tokens"])
+    opened = client.post(CHAT, json={"messages": conv, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    assert counts[0] == counts[1] < opened  # the continued prompt ends inside the last message
+
+
 @pytest.mark.parametrize("content", ["", None, []], ids=["empty_string", "null", "empty_parts"])
 def test_chat_empty_content_gets_normal_answer(client, content):
     """The chat template wraps an empty message in role markers, so the prompt is not empty: a normal answer."""

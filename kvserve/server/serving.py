@@ -62,6 +62,13 @@ class OpenAIServing:
 
     def prepare_chat(self, body: ChatCompletionRequest, arrival: float) -> tuple[Prepared, SamplingParams]:
         params = body.sampling_params()
+        # as vLLM: both set to true in the request is an error (add_generation_prompt left at its default
+        # true gives way to continue_final_message)
+        if body.continue_final_message and body.add_generation_prompt \
+                and "add_generation_prompt" in body.model_fields_set:
+            raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                                      "true: the first continues the last message, the second starts a new one",
+                                      "continue_final_message")
         try:
             text, ids = self.llm.encode_chat(body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
                                              continue_final_message=body.continue_final_message)
