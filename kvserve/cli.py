@@ -16,7 +16,9 @@ from kvserve.planner.probe import ProbeError
 from kvserve.sampling_params import InvalidRequestError, SamplingParams
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, multi_step: bool = True) -> None:
+    """The engine's flags; ``multi_step=False`` leaves out ``--num-scheduler-steps`` (commands that always
+    speculate: speculative decoding and multi-step scheduling exclude each other)."""
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default="smollm2-135m",
                    help="catalog name (smollm2-135m), .gguf file, HF directory, or dummy preset")
@@ -41,8 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=0, help="context limit (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    g.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="decode steps per engine step, 1-64 (multi-step scheduling: tokens leave in bursts; default 1)")
+    if multi_step:
+        g.add_argument("--num-scheduler-steps", type=int, default=1,
+                       help="decode steps per engine step, 1-64 (multi-step scheduling: tokens leave in bursts; "
+                            "default 1)")
     g.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder layers (fewer per-op overheads; the first steps compile)")
@@ -117,7 +121,7 @@ def build_llm(a: argparse.Namespace, progress: bool = True):
     return LLM(a.model, dtype=a.dtype, weight_dtype=a.weight_dtype, load_format=a.load_format, kv_cache_memory=a.kv_cache_memory,
                num_kv_blocks=a.num_kv_blocks, block_size=a.block_size, max_model_len=a.max_model_len,
                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-               num_scheduler_steps=a.num_scheduler_steps, num_threads=a.threads, seed=a.seed_engine, progress=progress,
+               num_scheduler_steps=getattr(a, "num_scheduler_steps", 1), num_threads=a.threads, seed=a.seed_engine, progress=progress,
                enable_prefix_caching=a.enable_prefix_caching, kv_cache_dtype=a.kv_cache_dtype,
                speculative_method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
                draft_model=a.draft_model, draft_load_format=a.draft_load_format, compile=a.compile)
@@ -143,7 +147,12 @@ def model_header(llm) -> str:
             f"read per step\n  KV cache {kv_dtype_name(eng.kv_spec)}: "
             f"{eng.kv_spec.bytes_per_token:,} B/token{' (incl. float32 scales)' if eng.kv_spec.is_quantized else ''}, "
             f"{eng.num_kv_blocks} blocks x {eng.kv_spec.block_size} tokens{_window_note(eng.kv_spec)}"
-            f"{_spec_note(eng.config.spec_decode)}")
+            f"{_spec_note(eng.config.spec_decode)}{_multi_step_note(eng.config.scheduler.num_scheduler_steps)}")
+
+
+def _multi_step_note(steps: int) -> str:
+    """The multi-step line of the header ('' at 1 step per engine step)."""
+    return "" if steps == 1 else f"\n  multi-step scheduling: up to {steps} decode steps per engine step"
 
 
 def _spec_note(spec) -> str:
@@ -227,7 +236,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     llm = build_llm(a)
     app = create_app(llm, api_key=a.api_key, model_name=a.served_model_name)
-    print(f"kvserve: serving {app.state.metrics._model} on http://{a.host}:{a.port}/v1", file=sys.stderr)
+    banner = f"kvserve: serving {app.state.metrics._model} on http://{a.host}:{a.port}/v1"
+    steps = llm.engine.config.scheduler.num_scheduler_steps
+    if steps > 1:
+        banner += f"; multi-step scheduling: up to {steps} decode steps per engine step"
+    print(banner, file=sys.stderr)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
     return 0
 

@@ -148,6 +148,19 @@ def test_num_scheduler_steps_with_speculative_decoding_is_refused():
         tiny_llm(num_scheduler_steps=4, speculative_method="ngram")
 
 
+def test_bench_spec_has_no_num_scheduler_steps_flag(capsys):
+    """bench spec always speculates, so the flag it would always refuse is not offered (a new-user trial
+    found it in --help); the other engine commands keep it."""
+    from kvserve.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["generate", "hi", "--num-scheduler-steps", "4"]).num_scheduler_steps == 4
+    assert parser.parse_args(["bench", "latency", "--num-scheduler-steps", "4"]).num_scheduler_steps == 4
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "spec", "--num-scheduler-steps", "4"])
+    assert "unrecognized arguments: --num-scheduler-steps" in capsys.readouterr().err
+
+
 def test_bench_latency_with_bursts_reports_per_pass_bytes_and_tpot(monkeypatch):
     """Bursts: MB/step is per forward pass (the single-step run's, the same tokens' KV), and the table
     compares TPOT (mean gap), the ITL p50 being ~0 inside bursts (hand-built report: 9.0 ms mean vs a
@@ -180,6 +193,15 @@ def test_anatomy_step_table_says_which_rows_are_bursts():
     one = "\n".join(_format_steps([step(1, 1), step(2, 8)], 10))
     assert "1 row is a multi-step burst" in one and "of up to 8 decode steps" in one
     assert "2 rows are multi-step bursts" in "\n".join(_format_steps([step(1, 3), step(2, 8)], 10))
+
+
+def test_model_header_states_the_steps_per_engine_step():
+    """generate's header (and serve's banner, built from the same setting) says when bursts may run."""
+    from kvserve.cli import model_header
+
+    assert "multi-step scheduling: up to 6 decode steps per engine step" in model_header(
+        tiny_llm(num_scheduler_steps=6))
+    assert "multi-step" not in model_header(tiny_llm())
 
 
 def test_stop_string_before_a_stop_token_in_the_same_burst():

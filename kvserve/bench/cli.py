@@ -71,7 +71,7 @@ def add_bench_parser(sub) -> None:
     spec = bsub.add_parser("spec", help="batch-1 speed with and without speculation (n-gram, or "
                                         "--draft-model), copy-heavy and chat")
     spec.add_argument("--output-tokens", type=int_at_least(2), default=96)
-    add_engine_args(spec)
+    add_engine_args(spec, multi_step=False)
     spec.set_defaults(func=cmd_bench_spec)
     _add_serve_parser(bsub)
 
