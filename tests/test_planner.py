@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -138,6 +139,36 @@ def test_chunked_prefill_adds_steps_not_flops():
     assert chunked.ttft_ms >= one.ttft_ms
 
 
+def test_requests_arriving_together_prefill_in_arrival_order():
+    """batch 2 × 1,000-token prompts in steps of 768 tokens, by hand: [768 of the first], [its last 232 +
+    536 of the second], [the second's last 464]; logits where a prompt ends. The FLOPs are twice one
+    request's (each piece attends over its own prefix), and at batch 1 the figure is the plain TTFT."""
+    from kvserve.planner.cost import batch_prefill_steps, prefill_steps
+
+    m, hw = get_model("llama-3-8b"), HARDWARE["h100-sxm"]
+    w = Workload(1000, 2, batch=2, chunk_tokens=768)
+    steps = batch_prefill_steps(m, hw, NO_OVERHEAD, w)
+    assert [s.num_tokens for s in steps] == [768, 768, 464]
+    assert [s.context_tokens for s in steps] == [768, 1000 + 536, 1000]
+    alone = prefill_steps(m, hw, NO_OVERHEAD, replace(w, batch=1))
+    assert sum(s.flops for s in steps) == pytest.approx(2 * sum(s.flops for s in alone), rel=1e-12)
+    attn = m.prefill_attention_flops(768, 232) + m.prefill_attention_flops(0, 536)
+    lm = m.embedding_params()
+    assert steps[1].flops == pytest.approx(2 * ((m.matmul_params_per_token() - lm) * 768 + lm * 1) + attn, rel=1e-12)
+    p = plan(m, hw, NO_OVERHEAD, w)
+    assert p.ttft_batch_ms == pytest.approx(sum(s.time_s for s in steps) * 1e3)
+    assert p.ttft_batch_ms > p.ttft_ms  # the second request waits for the first's prompt
+    single = plan(m, hw, NO_OVERHEAD, replace(w, batch=1))
+    assert single.ttft_batch_ms == single.ttft_ms
+    # no chunking: all the prompts in one step; compute-bound, so ~ batch × one request's prefill
+    whole = plan(m, hw, NO_OVERHEAD, Workload(8192, 2, batch=4))
+    assert len(whole.batch_prefill) == 1 and whole.batch_prefill[0].num_tokens == 4 * 8192
+    assert whole.ttft_batch_ms == pytest.approx(4 * whole.ttft_ms, rel=0.01)
+    # past MAX_PREFILL_STEPS steps (100,000 × 8192 / 512 = 1.6 M) the figure is not costed, not minutes long
+    many = plan(m, hw, NO_OVERHEAD, Workload(8192, 2, batch=100_000, chunk_tokens=512))
+    assert many.ttft_batch_ms is None and many.ttft_ms > 0
+
+
 def test_e2e_adds_measured_inputs():
     m, hw = get_model("llama-3-8b"), HARDWARE["h200"]
     p = plan(m, hw, NO_OVERHEAD, Workload(1000, 101, tokenize_ms=1.0, queue_ms=2.0, network_ms=30.0))
@@ -253,6 +284,11 @@ def test_plan_cli_text_sweep_and_errors(capsys, tmp_path, monkeypatch):
     # default prompt: 8192 capped so that prompt + 250 output tokens fit Llama 3's 8192-token context
     assert "7,942 prompt" in title and "in ms per step" in out.splitlines()[1] and "NOTE" not in out
     assert "fits = no" in out  # batch 256 at 7942 tokens: KV 687 GB over 4 GPUs
+    # TTFT: one request's, the same on every row; TTFT all: the last of the row's batch arriving together
+    head = next(i for i, line in enumerate(out.splitlines()) if line.split()[:3] == ["batch", "TTFT", "ms"])
+    rows = [line.split() for line in out.splitlines()[head + 1:] if line.split() and line.split()[0].isdigit()]
+    assert "TTFT all" in out.splitlines()[head] and len({r[1] for r in rows}) == 1
+    assert rows[0][2] == rows[0][1] and all(float(b[2]) > float(a[2]) for a, b in zip(rows, rows[1:]))
     assert main(["plan", "--model", "smollm2-135m", "--hardware", "h200", "--sweep", "context", "--batch", "2",
                  "--plot", str(png)]) == 0
     out = capsys.readouterr().out
@@ -277,7 +313,6 @@ def test_context_sweep_stops_at_the_models_context_length():
     """A context sweep plans no prompt the engine would reject: none past the model's
     max_position_embeddings less the output tokens (SmolLM2: 8192; the sweep used to run to 131072), and
     it ends on that length when no step of the sweep lands on it."""
-    from dataclasses import replace
 
     from kvserve.planner.hardware import efficiency_for
     from kvserve.planner.report import sweep
@@ -793,7 +828,6 @@ def test_plan_without_tp_takes_the_fewest_gpus_that_hold_the_workload(capsys, tm
 def test_plan_counts_the_draft_models_memory(capsys):
     """A --draft-model's weights and KV cache share a GPU with the target's shard (it runs unsharded, as
     its step is timed); before, they were not counted and a 405B draft beside 70B "fit" on 2 H100s."""
-    from dataclasses import replace
 
     from kvserve.cli import main
     from kvserve.planner.hardware import Hardware
@@ -971,8 +1005,8 @@ def test_plan_notes_more_gpus_than_a_node_and_sweeps_name_the_terms_that_bound(c
     assert main(["plan", "--model", "llama-3-8b", "--tp", "4", "--sweep", "batch"]) == 0
     out = capsys.readouterr().out
     rows = {int(r[0]): r for r in (line.split() for line in out.splitlines() if line.strip()[:1].isdigit())}
-    for batch in (1, 16):
-        weights, kv, overhead = float(rows[batch][3]), float(rows[batch][4]), float(rows[batch][7])
+    for batch in (1, 16):  # batch, TTFT, TTFT all, ITL, weights, KV, compute, comm, overhead, ...
+        weights, kv, overhead = float(rows[batch][4]), float(rows[batch][5]), float(rows[batch][8])
         assert rows[batch][-2] == ("memory" if weights + kv > overhead else "overhead"), rows[batch]
     assert rows[1][-2] == "overhead" and rows[16][-2] == "memory"
     assert main(["plan", "--model", "llama-3-8b", "--tp", "4", "--batch", "16"]) == 0

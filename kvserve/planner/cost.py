@@ -204,6 +204,33 @@ def prefill_steps(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload)
     return steps
 
 
+def batch_prefill_steps(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload) -> list[StepCost]:
+    """The prompts of ``w.batch`` requests that arrive together, prefilled in arrival order in steps of
+    up to ``w.chunk_tokens`` tokens (0: all the prompts in one step), a step taking the next request's
+    tokens where one request's end leaves room (as vLLM's chunked prefill fills its token budget). Per
+    step: the weights once, 2 × params × tokens, each piece's causal attention over its own prefix, the
+    KV of the pieces' prefixes, and logits for the pieces that end a prompt. The last request's first
+    token comes after the last step; with ``w.batch`` = 1 these are :func:`prefill_steps`. Empty where
+    that is more than MAX_PREFILL_STEPS steps (costed one by one; a valid batch of a million sequences
+    in small chunks would take minutes)."""
+    budget = w.chunk_tokens or w.prompt_tokens * w.batch
+    if math.ceil(w.prompt_tokens * w.batch / budget) > MAX_PREFILL_STEPS:
+        return []
+    one = Workload(**{**w.__dict__, "batch": 1})
+    steps, request, start = [], 0, 0
+    while request < w.batch:
+        n, attn, contexts, finished = 0, 0.0, [], 0
+        while n < budget and request < w.batch:
+            m = min(budget - n, w.prompt_tokens - start)
+            attn += shape.prefill_attention_flops(start, m)
+            contexts.append(float(start + m))
+            n, start = n + m, start + m
+            if start == w.prompt_tokens:
+                finished, request, start = finished + 1, request + 1, 0
+        steps.append(step_cost(shape, hw, eff, one, n, contexts, attn, finished))
+    return steps
+
+
 @dataclass(slots=True)
 class Capacity:
     """Memory per GPU, in bytes: ``fits`` when weights + KV of ``batch`` sequences at ``context_tokens``
@@ -260,10 +287,16 @@ class Plan:
     capacity: Capacity
     efficiency: Efficiency
     extras: dict = field(default_factory=dict)
+    # the TTFT of the last of ``batch`` requests that arrive together (tokenize + queue + Σ
+    # batch_prefill_steps); the same as ttft_ms at batch 1; None where those steps were too many to cost
+    ttft_batch_ms: float | None = None
+    batch_prefill: list[StepCost] = field(default_factory=list)
 
 
 def plan(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, draft: ModelShape | None = None) -> Plan:
-    """TTFT = tokenize + queue + Σ prefill steps; ITL = the decode step at the mean context
+    """TTFT = tokenize + queue + Σ prefill steps of one request (alone, or joining a running batch);
+    ``ttft_batch_ms`` the same for the last of ``batch`` requests that arrive together
+    (:func:`batch_prefill_steps`); ITL = the decode step at the mean context
     (KV bytes grow linearly, so this is the mean ITL); E2E = TTFT + (N − 1) × ITL + network.
     ``draft``: a draft model whose memory :func:`capacity` counts (its time: ``spec_decode``)."""
     w.validate()
@@ -275,4 +308,7 @@ def plan(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, draft: M
     mean = decode_step(shape, hw, eff, w, w.prompt_tokens + max(n, 2) / 2)
     itl = mean.time_s * 1e3
     e2e = ttft + max(n - 1, 0) * itl + w.network_ms
-    return Plan(ttft, itl, e2e, pre, first, mean, last, capacity(shape, hw, w, draft), eff)
+    together = batch_prefill_steps(shape, hw, eff, w) if w.batch > 1 else pre
+    ttft_batch = w.tokenize_ms + w.queue_ms + sum(s.time_s for s in together) * 1e3 if together else None
+    return Plan(ttft, itl, e2e, pre, first, mean, last, capacity(shape, hw, w, draft), eff,
+                ttft_batch_ms=ttft_batch, batch_prefill=together)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
-from kvserve.planner.cost import Plan, StepCost, Workload, plan
+from kvserve.planner.cost import MAX_PREFILL_STEPS, Plan, StepCost, Workload, plan
 from kvserve.planner.hardware import Efficiency, Hardware
 from kvserve.planner.shapes import ModelShape
 
@@ -20,7 +20,7 @@ def plan_dict(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> dict:
     d = p.decode_mean
     return {
         "model": shape.name, "hardware": hw.name, "workload": asdict(w),
-        "ttft_ms": p.ttft_ms, "itl_ms": p.itl_ms, "e2e_ms": p.e2e_ms,
+        "ttft_ms": p.ttft_ms, "ttft_batch_ms": p.ttft_batch_ms, "itl_ms": p.itl_ms, "e2e_ms": p.e2e_ms,
         "itl_first_ms": p.decode_first.time_s * 1e3, "itl_last_ms": p.decode_last.time_s * 1e3,
         "terms": {**d.terms_ms(), "weight_bytes": d.weight_bytes, "kv_bytes": d.kv_bytes, "flops": d.flops},
         "bound": d.bound, "dominant": d.dominant,
@@ -31,6 +31,16 @@ def plan_dict(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> dict:
         "efficiency": asdict(p.efficiency),
         "notes": _multi_node_notes(w, hw),
     }
+
+
+def _batch_ttft_line(p: Plan, w: Workload) -> str:
+    """The plan's second TTFT line: the last of ``w.batch`` requests that arrive together."""
+    steps = f"prefill steps of up to {w.chunk_tokens or w.batch * w.prompt_tokens:,} tokens"
+    if p.ttft_batch_ms is None:
+        return (f"  TTFT        n/a      for the last of {w.batch:,} requests that arrive together: more than "
+                f"{MAX_PREFILL_STEPS:,} {steps}, not costed")
+    return (f"  TTFT {p.ttft_batch_ms:10.1f} ms   for the last of {w.batch:,} requests that arrive together "
+            f"({len(p.batch_prefill):,} {steps}; the line above: one request alone or joining a running batch)")
 
 
 def within_context(shape: ModelShape, w: Workload) -> bool:
@@ -96,6 +106,7 @@ def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
            f"request; figures extrapolated"] if not within_context(shape, w) else []),
         f"  TTFT {p.ttft_ms:10.1f} ms   ({len(p.prefill)} prefill step(s), {pre_flops / 1e12:.1f} TFLOP per {dev}, "
         f"{p.prefill[-1].bound}-bound)",
+        *([_batch_ttft_line(p, w)] if w.batch > 1 else []),
         f"  ITL  {p.itl_ms:10.2f} ms   (mean; {p.decode_first.time_s * 1e3:.2f} at the first token, "
         f"{p.decode_last.time_s * 1e3:.2f} at the last)" if w.output_tokens > 1 else
         f"  ITL  {p.itl_ms:10.2f} ms   (if a decode step ran: none does for "
@@ -147,7 +158,8 @@ def _multi_node_notes(w: Workload, hw: Hardware) -> list[str]:
 def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw: Hardware, w: Workload,
                  spec_itl_ms: list[float] | None = None, spec_note: str | None = None) -> str:
     """The sweep as a table under a title line that names the model, hardware, dtypes and what is held
-    fixed. Columns: the prompt length (context) or batch, TTFT and ITL, the decode step's terms at the
+    fixed. Columns: the prompt length (context) or batch, TTFT (and, over batch, the TTFT of the last of
+    the batch's requests arriving together) and ITL, the decode step's terms at the
     mean context (weights, KV, compute, comm, overhead; ms), output tokens/s, what bounds the step
     (``StepCost.limiter``, as in the single plan's step line), and whether weights + KV fit the usable
     memory; with ``spec_itl_ms`` (one per row) a last column of the mean ITL with speculative decoding,
@@ -161,7 +173,11 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
              *(f"  NOTE: {n}" for n in _multi_node_notes(w, hw)),
              "  decode step at each row's mean context, in ms per step (weights, KV, compute, comm, overhead); "
              "tok/s: output tokens per second of the whole batch",
-             f"{'prompt' if axis == 'context' else 'batch':>8} {'TTFT ms':>10} {'ITL ms':>8} {'weights':>8} {'KV':>8} "
+             *(["  TTFT: one request's prefill (alone, or joining a running batch); TTFT all: the last of the "
+                "row's requests when they all arrive together"] if axis == "batch" else []),
+             f"{'prompt' if axis == 'context' else 'batch':>8} {'TTFT ms':>10}"
+             + (f" {'TTFT all':>10}" if axis == "batch" else "")
+             + f" {'ITL ms':>8} {'weights':>8} {'KV':>8} "
              f"{'compute':>8} {'comm':>6} {'overhead':>8} {'tok/s':>9} {'bound':>8} {'fits':>5}"
              + (f" {'spec ITL':>9}" if spec_itl_ms else "")]
     if spec_itl_ms:
@@ -169,7 +185,8 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
     for i, (x, p) in enumerate(rows):
         t = p.decode_mean.terms_ms()
         batch = p.decode_mean.num_tokens
-        lines.append(f"{x:>8} {p.ttft_ms:>10.1f} {p.itl_ms:>8.2f} {t['weights_ms']:>8.2f} {t['kv_ms']:>8.2f} "
+        lines.append(f"{x:>8} {p.ttft_ms:>10.1f}" + (f" {_ms(p.ttft_batch_ms):>10}" if axis == "batch" else "")
+                     + f" {p.itl_ms:>8.2f} {t['weights_ms']:>8.2f} {t['kv_ms']:>8.2f} "
                      f"{t['compute_ms']:>8.2f} {t['comm_ms']:>6.2f} {t['overhead_ms']:>8.2f} "
                      f"{batch * 1e3 / p.itl_ms:>9.1f} {p.decode_mean.limiter:>8} "
                      f"{'yes' if p.capacity.fits else 'no':>5}"
@@ -184,6 +201,10 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
         lines.append(f"  fits = no: weights + KV per device{draft} exceed its usable memory (more --tp, or smaller "
                      "dtypes)")
     return "\n".join(lines)
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1f}"
 
 
 def plot_sweep(rows: list[tuple[int, Plan]], axis: str, title: str, path: str) -> str:
