@@ -220,6 +220,10 @@ CASES += [
     Case("continue_and_generation_prompt", CHAT, {"messages": user() + [{"role": "assistant", "content": "Hi"}],
                                                   "continue_final_message": True, "add_generation_prompt": True},
          param="continue_final_message", needles=("add_generation_prompt",)),
+    Case("tokenize_continue_and_generation_prompt", TOK, {"prompt": None, "messages": user(),
+                                                          "continue_final_message": True,
+                                                          "add_generation_prompt": True},
+         param="continue_final_message", needles=("add_generation_prompt",)),
     # /tokenize, /detokenize
     Case("tokenize_neither", TOK, {}, replace=True, param="prompt"),
     Case("tokenize_both", TOK, {"messages": user()}, param="prompt"),
@@ -352,6 +356,15 @@ def test_continue_final_message_alone_is_accepted(client):
         counts.append(r.json()["usage"]["prompt_tokens"])
     opened = client.post(CHAT, json={"messages": conv, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
     assert counts[0] == counts[1] < opened  # the continued prompt ends inside the last message
+    # /tokenize gives the prompt chat prefills, continued or not (it ignored continue_final_message), and
+    # reads role developer as system, as chat does
+    tok = client.post(TOK, json={"messages": conv, "continue_final_message": True}).json()
+    assert tok["count"] == counts[0]
+    assert client.post(TOK, json={"messages": conv}).json()["count"] == opened
+    dev = [{"role": "developer", "content": "Be brief."}] + conv
+    sys_ = [{"role": "system", "content": "Be brief."}] + conv
+    assert client.post(TOK, json={"messages": dev}).json()["tokens"] == \
+        client.post(TOK, json={"messages": sys_}).json()["tokens"]
 
 
 @pytest.mark.parametrize("content", ["", None, []], ids=["empty_string", "null", "empty_parts"])

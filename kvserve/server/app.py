@@ -94,9 +94,8 @@ def create_app(llm, api_key: str | None = None, model_name: str | None = None,
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
-        if body.messages is not None:
-            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-            _, ids = llm.encode_chat(msgs, add_generation_prompt=body.add_generation_prompt)
+        if body.messages is not None:  # the prompt /v1/chat/completions would prefill for these messages
+            _, ids = serving.encode_chat(body)
         else:
             ids = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": llm.engine.max_model_len}

@@ -141,6 +141,25 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
+def chat_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template takes them (role ``developer``, OpenAI's newer name, as
+    ``system``); InvalidRequestError for none."""
+    if not messages:
+        raise InvalidRequestError("messages must contain at least one message", "messages")
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
+def template_flags(body: "ChatCompletionRequest | TokenizeRequest") -> dict:
+    """add_generation_prompt and continue_final_message of a chat or /tokenize request, for
+    ``LLM.encode_chat``. Both set true in the request is an error, as in vLLM (its
+    check_generation_prompt); add_generation_prompt left at its default true gives way to continuing."""
+    if body.continue_final_message and body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+        raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to true: the "
+                                  "first continues the last message, the second starts a new one",
+                                  "continue_final_message")
+    return {"add_generation_prompt": body.add_generation_prompt, "continue_final_message": body.continue_final_message}
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -149,11 +168,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-
-    def chat_messages(self) -> list[dict]:
-        if not self.messages:
-            raise InvalidRequestError("messages must contain at least one message", "messages")
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
     def sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -175,6 +189,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Strict):

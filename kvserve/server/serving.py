@@ -17,7 +17,8 @@ from kvserve.sampling_params import InvalidRequestError, SamplingParams
 from kvserve.server import openai_format as fmt
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.errors import APIError, from_exception
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, TokenizeRequest, chat_dicts,
+                                     template_flags)
 
 
 @dataclass(slots=True)
@@ -60,22 +61,18 @@ class OpenAIServing:
             out.append(self._prepared("cmpl", arrival, text, ids, params))
         return out, params
 
-    def prepare_chat(self, body: ChatCompletionRequest, arrival: float) -> tuple[Prepared, SamplingParams]:
-        params = body.sampling_params()
-        # as vLLM: both set to true in the request is an error (add_generation_prompt left at its default
-        # true gives way to continue_final_message)
-        if body.continue_final_message and body.add_generation_prompt \
-                and "add_generation_prompt" in body.model_fields_set:
-            raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to "
-                                      "true: the first continues the last message, the second starts a new one",
-                                      "continue_final_message")
+    def encode_chat(self, body: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
+        """The prompt text and ids of a chat or /tokenize request's messages (the same for both)."""
         try:
-            text, ids = self.llm.encode_chat(body.chat_messages(), add_generation_prompt=body.add_generation_prompt,
-                                             continue_final_message=body.continue_final_message)
+            return self.llm.encode_chat(chat_dicts(body.messages), **template_flags(body))
         except InvalidRequestError:
             raise
         except Exception as e:  # jinja template errors (e.g. roles the template does not accept)
             raise InvalidRequestError(f"messages: the chat template rejected them: {e}", "messages") from None
+
+    def prepare_chat(self, body: ChatCompletionRequest, arrival: float) -> tuple[Prepared, SamplingParams]:
+        params = body.sampling_params()
+        text, ids = self.encode_chat(body)
         return self._prepared("chatcmpl", arrival, text, ids, params), params
 
     # ------------------------------------------------------------------ running
