@@ -169,6 +169,22 @@ def test_requests_arriving_together_prefill_in_arrival_order():
     assert many.ttft_batch_ms is None and many.ttft_ms > 0
 
 
+def test_plan_cli_states_the_batch_ttft(capsys):
+    """The line names the steps it took, a chunk past the batch's tokens as those tokens (a new-user
+    trial read "1 prefill steps of up to 100,000 tokens" for 2,000 tokens); --json has the figure and
+    its steps."""
+    from kvserve.cli import main
+
+    argv = ["plan", "--model", "llama-3-8b", "--hardware", "h100-sxm", "--tp", "1", "--batch", "2",
+            "--prompt-tokens", "1000", "--output-tokens", "2"]
+    assert main(argv + ["--chunk-tokens", "100000"]) == 0
+    assert "for the last of 2 requests arriving together (1 prefill step of up to 2,000 tokens)" in \
+        capsys.readouterr().out
+    assert main(argv + ["--chunk-tokens", "768", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["prefill_batch"]["num_steps"] == 3 and got["ttft_batch_ms"] > got["ttft_ms"]
+
+
 def test_e2e_adds_measured_inputs():
     m, hw = get_model("llama-3-8b"), HARDWARE["h200"]
     p = plan(m, hw, NO_OVERHEAD, Workload(1000, 101, tokenize_ms=1.0, queue_ms=2.0, network_ms=30.0))

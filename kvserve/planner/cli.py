@@ -42,7 +42,9 @@ def add_planner_parsers(sub) -> None:
                    help="default 8192, or the longest prompt the model's context length leaves room for "
                    "with --output-tokens")
     p.add_argument("--output-tokens", type=int, default=250)
-    p.add_argument("--batch", type=int, default=1, help="concurrent sequences decoding together")
+    p.add_argument("--batch", type=int, default=1,
+                   help="concurrent sequences decoding together (with more than 1, a second TTFT: the last of "
+                        "them when they all arrive together)")
     p.add_argument("--weight-dtype", default=None, type=_plan_dtype,
                    help="fp32|bf16|fp16|fp8|int8|int4 (or float32, bfloat16, fp8_e4m3 ...); default bf16, on "
                    "--hardware local what `kvserve generate` runs: a GGUF's Q4_0/Q4_1 matrices as int4 and "

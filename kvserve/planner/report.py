@@ -26,6 +26,8 @@ def plan_dict(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> dict:
         "bound": d.bound, "dominant": d.dominant,
         "prefill": {"num_steps": len(p.prefill), "flops": sum(s.flops for s in p.prefill),
                     "bound": p.prefill[-1].bound if p.prefill else None},
+        # the batch's requests arriving together (ttft_batch_ms); num_steps 0 where not costed
+        "prefill_batch": {"num_steps": len(p.batch_prefill), "flops": sum(s.flops for s in p.batch_prefill)},
         "kv_bytes_per_token": shape.kv_bytes_per_token(w.kv_dtype),
         "fits": p.capacity.fits, "capacity": asdict(p.capacity), "within_context": within_context(shape, w),
         "efficiency": asdict(p.efficiency),
@@ -35,12 +37,13 @@ def plan_dict(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> dict:
 
 def _batch_ttft_line(p: Plan, w: Workload) -> str:
     """The plan's second TTFT line: the last of ``w.batch`` requests that arrive together."""
-    steps = f"prefill steps of up to {w.chunk_tokens or w.batch * w.prompt_tokens:,} tokens"
+    size = min(w.chunk_tokens or w.batch * w.prompt_tokens, w.batch * w.prompt_tokens)
     if p.ttft_batch_ms is None:
-        return (f"  TTFT        n/a      for the last of {w.batch:,} requests that arrive together: more than "
-                f"{MAX_PREFILL_STEPS:,} {steps}, not costed")
-    return (f"  TTFT {p.ttft_batch_ms:10.1f} ms   for the last of {w.batch:,} requests that arrive together "
-            f"({len(p.batch_prefill):,} {steps}; the line above: one request alone or joining a running batch)")
+        return (f"  TTFT        n/a      for the last of {w.batch:,} requests arriving together: more than "
+                f"{MAX_PREFILL_STEPS:,} prefill steps of up to {size:,} tokens, not costed")
+    n = len(p.batch_prefill)
+    return (f"  TTFT {p.ttft_batch_ms:10.1f} ms   for the last of {w.batch:,} requests arriving together "
+            f"({n:,} prefill step{'' if n == 1 else 's'} of up to {size:,} tokens)")
 
 
 def within_context(shape: ModelShape, w: Workload) -> bool:
@@ -174,7 +177,7 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
              "  decode step at each row's mean context, in ms per step (weights, KV, compute, comm, overhead); "
              "tok/s: output tokens per second of the whole batch",
              *(["  TTFT: one request's prefill (alone, or joining a running batch); TTFT all: the last of the "
-                "row's requests when they all arrive together"] if axis == "batch" else []),
+                "row's requests when they all arrive together (ms)"] if axis == "batch" else []),
              f"{'prompt' if axis == 'context' else 'batch':>8} {'TTFT ms':>10}"
              + (f" {'TTFT all':>10}" if axis == "batch" else "")
              + f" {'ITL ms':>8} {'weights':>8} {'KV':>8} "
