@@ -17,8 +17,9 @@ from kvserve.sampling_params import InvalidRequestError, SamplingParams
 
 
 def add_engine_args(p: argparse.ArgumentParser, multi_step: bool = True) -> None:
-    """The engine's flags; ``multi_step=False`` leaves out ``--num-scheduler-steps`` (commands that always
-    speculate: speculative decoding and multi-step scheduling exclude each other)."""
+    """The engine's flags; ``multi_step=False`` leaves out ``--num-scheduler-steps`` where it cannot
+    apply: ``bench spec`` always speculates (which excludes multi-step scheduling), ``eval ppl`` never
+    decodes."""
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default="smollm2-135m",
                    help="catalog name (smollm2-135m), .gguf file, HF directory, or dummy preset")

@@ -148,16 +148,17 @@ def test_num_scheduler_steps_with_speculative_decoding_is_refused():
         tiny_llm(num_scheduler_steps=4, speculative_method="ngram")
 
 
-def test_bench_spec_has_no_num_scheduler_steps_flag(capsys):
-    """bench spec always speculates, so the flag it would always refuse is not offered (a new-user trial
-    found it in --help); the other engine commands keep it."""
+@pytest.mark.parametrize("argv", [["bench", "spec"], ["eval", "ppl"]])
+def test_commands_where_multi_step_cannot_apply_have_no_flag(argv, capsys):
+    """bench spec always speculates, so it would always refuse the flag (a new-user trial found it in
+    --help); eval ppl scores prompts and never decodes. The decoding commands keep it."""
     from kvserve.cli import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["generate", "hi", "--num-scheduler-steps", "4"]).num_scheduler_steps == 4
     assert parser.parse_args(["bench", "latency", "--num-scheduler-steps", "4"]).num_scheduler_steps == 4
     with pytest.raises(SystemExit):
-        parser.parse_args(["bench", "spec", "--num-scheduler-steps", "4"])
+        parser.parse_args(argv + ["--num-scheduler-steps", "4"])
     assert "unrecognized arguments: --num-scheduler-steps" in capsys.readouterr().err
 
 

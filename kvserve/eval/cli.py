@@ -22,7 +22,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--compare-weight-dtype", default=None, choices=["auto", "float32", "bfloat16", "int8", "int4"],
                    help="also score with the matrices stored this way (e.g. float32 against --weight-dtype int4)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    add_engine_args(p)
+    add_engine_args(p, multi_step=False)  # it scores prompts and never decodes
     p.set_defaults(func=cmd_eval_ppl, max_num_batched_tokens=256)
 
 
