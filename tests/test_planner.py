@@ -141,12 +141,14 @@ def test_chunked_prefill_adds_steps_not_flops():
 
 def test_requests_arriving_together_prefill_in_arrival_order():
     """batch 2 × 1,000-token prompts in steps of 768 tokens, by hand: [768 of the first], [its last 232 +
-    536 of the second], [the second's last 464]; logits where a prompt ends. The FLOPs are twice one
-    request's (each piece attends over its own prefix), and at batch 1 the figure is the plain TTFT."""
+    536 of the second], [the second's last 464] (+ the first's first decode token where it has more than
+    one output token: running requests go first); logits where a prompt ends or a token decodes. The
+    FLOPs are twice one request's (each piece attends over its own prefix) plus the decode's, and at
+    batch 1 the figure is the plain TTFT."""
     from kvserve.planner.cost import batch_prefill_steps, prefill_steps
 
     m, hw = get_model("llama-3-8b"), HARDWARE["h100-sxm"]
-    w = Workload(1000, 2, batch=2, chunk_tokens=768)
+    w = Workload(1000, 1, batch=2, chunk_tokens=768)
     steps = batch_prefill_steps(m, hw, NO_OVERHEAD, w)
     assert [s.num_tokens for s in steps] == [768, 768, 464]
     assert [s.context_tokens for s in steps] == [768, 1000 + 536, 1000]
@@ -155,6 +157,11 @@ def test_requests_arriving_together_prefill_in_arrival_order():
     attn = m.prefill_attention_flops(768, 232) + m.prefill_attention_flops(0, 536)
     lm = m.embedding_params()
     assert steps[1].flops == pytest.approx(2 * ((m.matmul_params_per_token() - lm) * 768 + lm * 1) + attn, rel=1e-12)
+    decoding = batch_prefill_steps(m, hw, NO_OVERHEAD, replace(w, output_tokens=3))
+    assert [s.num_tokens for s in decoding] == [768, 768, 465]  # the first request's decode goes first
+    assert decoding[2].context_tokens == 1001 + 1000
+    one_token = 2 * m.matmul_params_per_token() + m.decode_attention_flops(1001)
+    assert decoding[2].flops == pytest.approx(steps[2].flops + one_token, rel=1e-12)
     p = plan(m, hw, NO_OVERHEAD, w)
     assert p.ttft_batch_ms == pytest.approx(sum(s.time_s for s in steps) * 1e3)
     assert p.ttft_batch_ms > p.ttft_ms  # the second request waits for the first's prompt
@@ -167,6 +174,35 @@ def test_requests_arriving_together_prefill_in_arrival_order():
     # past MAX_PREFILL_STEPS steps (100,000 × 8192 / 512 = 1.6 M) the figure is not costed, not minutes long
     many = plan(m, hw, NO_OVERHEAD, Workload(8192, 2, batch=100_000, chunk_tokens=512))
     assert many.ttft_batch_ms is None and many.ttft_ms > 0
+
+
+@pytest.mark.parametrize("batch, prompt, chunk", [(4, 100, 77), (32, 16, 64), (48, 20, 100)])
+def test_batch_prefill_takes_the_engines_steps(batch, prompt, chunk):
+    """The engine as the oracle (an adversarial review found the model ignored the done requests'
+    decodes): kvserve's scheduler, ``batch`` requests added together with a token budget of ``chunk``,
+    takes as many steps until the last one's first token as batch_prefill_steps (4 × 100 in 77: 6
+    steps, none lost to decodes; 32 × 16 in 64: 11, where the prompts alone would fill 8)."""
+    import random
+
+    from kvserve import SamplingParams
+    from kvserve.planner.cost import batch_prefill_steps
+    from tests.conftest import tiny_llm
+
+    eng = tiny_llm(max_num_batched_tokens=chunk, max_num_seqs=64, enable_prefix_caching=False).engine
+    rng = random.Random(batch)
+    for i in range(batch):
+        eng.add_request(f"r{i}", [rng.randrange(100, 40000) for _ in range(prompt)],
+                        SamplingParams(max_tokens=50, ignore_eos=True, temperature=0))
+    first: dict[str, int] = {}
+    step = 0
+    while len(first) < batch:
+        step += 1
+        for out in eng.step():
+            if out.outputs[0].token_ids:
+                first.setdefault(out.request_id, step)
+    w = Workload(prompt, 50, batch=batch, chunk_tokens=chunk)
+    assert len(batch_prefill_steps(get_model("llama-3-8b"), HARDWARE["h100-sxm"], NO_OVERHEAD, w)) == \
+        max(first.values())
 
 
 def test_plan_cli_states_the_batch_ttft(capsys):

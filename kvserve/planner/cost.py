@@ -205,29 +205,43 @@ def prefill_steps(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload)
 
 
 def batch_prefill_steps(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload) -> list[StepCost]:
-    """The prompts of ``w.batch`` requests that arrive together, prefilled in arrival order in steps of
-    up to ``w.chunk_tokens`` tokens (0: all the prompts in one step), a step taking the next request's
-    tokens where one request's end leaves room (as vLLM's chunked prefill fills its token budget). Per
-    step: the weights once, 2 × params × tokens, each piece's causal attention over its own prefix, the
-    KV of the pieces' prefixes, and logits for the pieces that end a prompt. The last request's first
-    token comes after the last step; with ``w.batch`` = 1 these are :func:`prefill_steps`. Empty where
-    that is more than MAX_PREFILL_STEPS steps (costed one by one; a valid batch of a million sequences
-    in small chunks would take minutes)."""
+    """The steps until the last of ``w.batch`` requests that arrive together has its first token, as
+    kvserve's scheduler and vLLM's chunked prefill run them: each step has a budget of
+    ``w.chunk_tokens`` tokens (0: all the prompts in one step) and gives it first to the requests whose
+    prompts are done, one decode token each (until their ``output_tokens`` are out; first come first),
+    then to the prompts in arrival order, a step taking the next request's tokens where one request's
+    end leaves room. Per step: the weights once, 2 × params × tokens, each prompt piece's causal
+    attention over its own prefix and each decode's over its context, the KV those read, and logits for
+    the decodes and the pieces that end a prompt. With ``w.batch`` = 1 these are :func:`prefill_steps`.
+    Empty where that is more than MAX_PREFILL_STEPS steps (costed one by one; a valid batch of a million
+    sequences in small chunks would take minutes)."""
     budget = w.chunk_tokens or w.prompt_tokens * w.batch
     if math.ceil(w.prompt_tokens * w.batch / budget) > MAX_PREFILL_STEPS:
         return []
     one = Workload(**{**w.__dict__, "batch": 1})
-    steps, request, start = [], 0, 0
+    decoding: list[list[int]] = []  # [tokens held, decode steps left] per request past its prompt
+    steps: list[StepCost] = []
+    request, start = 0, 0
     while request < w.batch:
-        n, attn, contexts, finished = 0, 0.0, [], 0
+        if len(steps) == MAX_PREFILL_STEPS:  # the decodes took the budget for this many steps
+            return []
+        n, attn, contexts, logits = 0, 0.0, [], 0
+        for d in decoding[:budget]:
+            d[0], d[1] = d[0] + 1, d[1] - 1
+            attn += shape.decode_attention_flops(d[0])
+            contexts.append(float(d[0]))
+            n, logits = n + 1, logits + 1
+        decoding = [d for d in decoding if d[1] > 0]
         while n < budget and request < w.batch:
             m = min(budget - n, w.prompt_tokens - start)
             attn += shape.prefill_attention_flops(start, m)
             contexts.append(float(start + m))
             n, start = n + m, start + m
             if start == w.prompt_tokens:
-                finished, request, start = finished + 1, request + 1, 0
-        steps.append(step_cost(shape, hw, eff, one, n, contexts, attn, finished))
+                logits, request, start = logits + 1, request + 1, 0
+                if w.output_tokens > 1:
+                    decoding.append([w.prompt_tokens, w.output_tokens - 1])
+        steps.append(step_cost(shape, hw, eff, one, n, contexts, attn, logits))
     return steps
 
 
@@ -287,14 +301,14 @@ class Plan:
     capacity: Capacity
     efficiency: Efficiency
     extras: dict = field(default_factory=dict)
-    # the TTFT of the last of ``batch`` requests that arrive together (tokenize + queue + Σ
-    # batch_prefill_steps); the same as ttft_ms at batch 1; None where those steps were too many to cost
+    # the TTFT of the last of ``batch`` requests that arrive together (tokenize + Σ batch_prefill_steps,
+    # their queueing modelled there); the same as ttft_ms at batch 1; None where the steps were too many
     ttft_batch_ms: float | None = None
     batch_prefill: list[StepCost] = field(default_factory=list)
 
 
 def plan(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, draft: ModelShape | None = None) -> Plan:
-    """TTFT = tokenize + queue + Σ prefill steps of one request (alone, or joining a running batch);
+    """TTFT = tokenize + queue + Σ prefill steps of one request alone;
     ``ttft_batch_ms`` the same for the last of ``batch`` requests that arrive together
     (:func:`batch_prefill_steps`); ITL = the decode step at the mean context
     (KV bytes grow linearly, so this is the mean ITL); E2E = TTFT + (N − 1) × ITL + network.
@@ -308,7 +322,10 @@ def plan(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, draft: M
     mean = decode_step(shape, hw, eff, w, w.prompt_tokens + max(n, 2) / 2)
     itl = mean.time_s * 1e3
     e2e = ttft + max(n - 1, 0) * itl + w.network_ms
-    together = batch_prefill_steps(shape, hw, eff, w) if w.batch > 1 else pre
-    ttft_batch = w.tokenize_ms + w.queue_ms + sum(s.time_s for s in together) * 1e3 if together else None
+    if w.batch == 1:
+        together, ttft_batch = pre, ttft
+    else:  # no queue_ms: the batch's own queueing is in its steps
+        together = batch_prefill_steps(shape, hw, eff, w)
+        ttft_batch = w.tokenize_ms + sum(s.time_s for s in together) * 1e3 if together else None
     return Plan(ttft, itl, e2e, pre, first, mean, last, capacity(shape, hw, w, draft), eff,
                 ttft_batch_ms=ttft_batch, batch_prefill=together)

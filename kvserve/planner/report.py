@@ -176,8 +176,9 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
              *(f"  NOTE: {n}" for n in _multi_node_notes(w, hw)),
              "  decode step at each row's mean context, in ms per step (weights, KV, compute, comm, overhead); "
              "tok/s: output tokens per second of the whole batch",
-             *(["  TTFT: one request's prefill (alone, or joining a running batch); TTFT all: the last of the "
-                "row's requests when they all arrive together (ms)"] if axis == "batch" else []),
+             *(["  TTFT: one request's prefill alone; TTFT all: the last of the row's requests when they all "
+                f"arrive together, the done ones decoding meanwhile (ms; n/a: over {MAX_PREFILL_STEPS:,} steps)"]
+               if axis == "batch" else []),
              f"{'prompt' if axis == 'context' else 'batch':>8} {'TTFT ms':>10}"
              + (f" {'TTFT all':>10}" if axis == "batch" else "")
              + f" {'ITL ms':>8} {'weights':>8} {'KV':>8} "
