@@ -195,6 +195,8 @@ CASES += [
     Case("echo_str", CMPL, {"echo": "yes"}, param="echo"),
     Case("suffix", CMPL, {"suffix": "x"}, param="suffix"),
     Case("best_of", CMPL, {"best_of": 3}, param="best_of"),
+    # prompts × n past MAX_SEQUENCES (4,096): a 400 before any of them is queued
+    Case("prompts_times_n", CMPL, {"prompt": ["Hi"] * 33, "n": 128}, param="prompt", needles=("4,224", "4,096")),
     # /v1/chat/completions messages (14, 15)
     Case("messages_missing", CHAT, {"messages": None}, param="messages"),
     Case("messages_string", CHAT, {"messages": "hi"}, param="messages"),

@@ -11,6 +11,9 @@ from kvserve.sampling_params import InvalidRequestError, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # OpenAI's limit; each choice is a sequence with its own KV blocks
+# prompts × n of one completions request: each is a request the engine queues (an 8 MiB body holds a
+# million one-token prompts, which at n = 128 queued 128 M requests behind everyone else's)
+MAX_SEQUENCES = 4096
 
 
 class _Strict(BaseModel):
@@ -107,6 +110,10 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("prompt must not be empty", "prompt")
         if all(isinstance(x, int) for x in p):
             return [list(p)]
+        if len(p) * self.n > MAX_SEQUENCES:
+            raise InvalidRequestError(f"{len(p):,} prompts × n {self.n} = {len(p) * self.n:,} sequences, "
+                                      f"more than {MAX_SEQUENCES:,} per request; split the prompts over requests",
+                                      "prompt")
         return list(p)
 
     def sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
