@@ -73,7 +73,8 @@ class LLM:
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
                             continue_final_message: bool = False) -> str:
-        """Render messages with the model's chat template (text; tokenized without adding a BOS)."""
+        """Render messages with the model's chat template (text; tokenized without adding a BOS). Role
+        ``developer`` (OpenAI's newer name for it) is rendered as ``system``, as the server does."""
         if not messages:
             raise InvalidRequestError("messages must contain at least one message", "messages")
         for i, m in enumerate(messages):
@@ -84,8 +85,9 @@ class LLM:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("this model has no chat template; use generate() with a raw prompt",
                                       "messages")
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message)
 
     def encode_chat(self, messages: Sequence[Message], **kw) -> tuple[str, list[int]]:

@@ -107,6 +107,16 @@ def test_chat_rejects_bad_messages(tiny, messages):
     assert_idle(tiny)
 
 
+def test_chat_renders_developer_as_system(tiny):
+    """OpenAI's newer name for the system role: the Python API prefills what the server does (an
+    adversarial review: 40 tokens here, SmolLM2's default system prompt plus a literal developer turn,
+    against 18 over the server)."""
+    conv = [{"role": "user", "content": "hi"}]
+    dev = tiny.encode_chat([{"role": "developer", "content": "Be brief."}] + conv)
+    assert dev == tiny.encode_chat([{"role": "system", "content": "Be brief."}] + conv)
+    assert "developer" not in dev[0]
+
+
 @pytest.mark.parametrize("field,value", [
     ("ignore_eos", "no"), ("ignore_eos", None), ("include_stop_str_in_output", 1),
     ("skip_special_tokens", "false"), ("stop", 123), ("stop", {"a": 1}), ("stop_token_ids", 5),

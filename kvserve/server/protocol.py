@@ -149,11 +149,11 @@ class ChatMessage(_Strict):
 
 
 def chat_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the chat template takes them (role ``developer``, OpenAI's newer name, as
-    ``system``); InvalidRequestError for none."""
+    """The messages as ``LLM.encode_chat`` takes them (which renders role ``developer`` as ``system``);
+    InvalidRequestError for none."""
     if not messages:
         raise InvalidRequestError("messages must contain at least one message", "messages")
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    return [{"role": m.role, "content": m.text()} for m in messages]
 
 
 def template_flags(body: "ChatCompletionRequest | TokenizeRequest") -> dict:
