@@ -174,6 +174,13 @@ def test_requests_arriving_together_prefill_in_arrival_order():
     # past MAX_PREFILL_STEPS steps (100,000 × 8192 / 512 = 1.6 M) the figure is not costed, not minutes long
     many = plan(m, hw, NO_OVERHEAD, Workload(8192, 2, batch=100_000, chunk_tokens=512))
     assert many.ttft_batch_ms is None and many.ttft_ms > 0
+    # few steps, but each with up to a million decodes (a second review: killed after 170 s): n/a too
+    decodes = Workload(1, 250, batch=1_000_000, chunk_tokens=999_999)
+    assert batch_prefill_steps(m, hw, NO_OVERHEAD, decodes) == []
+    # --queue-ms is one request's measured wait; the batch figure models its own (also at batch 1)
+    queued = plan(m, hw, NO_OVERHEAD, replace(w, queue_ms=500.0))
+    assert queued.ttft_batch_ms == pytest.approx(p.ttft_batch_ms) and queued.ttft_ms == pytest.approx(p.ttft_ms + 500)
+    assert plan(m, hw, NO_OVERHEAD, replace(w, batch=1, queue_ms=500.0)).ttft_batch_ms == pytest.approx(single.ttft_ms)
 
 
 @pytest.mark.parametrize("batch, prompt, chunk", [(4, 100, 77), (32, 16, 64), (48, 20, 100)])
@@ -214,7 +221,7 @@ def test_plan_cli_states_the_batch_ttft(capsys):
     argv = ["plan", "--model", "llama-3-8b", "--hardware", "h100-sxm", "--tp", "1", "--batch", "2",
             "--prompt-tokens", "1000", "--output-tokens", "2"]
     assert main(argv + ["--chunk-tokens", "100000"]) == 0
-    assert "for the last of 2 requests arriving together (1 prefill step of up to 2,000 tokens)" in \
+    assert "for the last of 2 requests arriving together (1 step of up to 2,000 tokens" in \
         capsys.readouterr().out
     assert main(argv + ["--chunk-tokens", "768", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)

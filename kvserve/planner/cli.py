@@ -44,7 +44,8 @@ def add_planner_parsers(sub) -> None:
     p.add_argument("--output-tokens", type=int, default=250)
     p.add_argument("--batch", type=int, default=1,
                    help="concurrent sequences decoding together (with more than 1, a second TTFT: the last of "
-                        "them when they all arrive together)")
+                        "them when they all arrive together, the done ones decoding meanwhile; assumes the engine "
+                        "runs them all at once: max_num_seqs >= batch, no preemption)")
     p.add_argument("--weight-dtype", default=None, type=_plan_dtype,
                    help="fp32|bf16|fp16|fp8|int8|int4 (or float32, bfloat16, fp8_e4m3 ...); default bf16, on "
                    "--hardware local what `kvserve generate` runs: a GGUF's Q4_0/Q4_1 matrices as int4 and "
@@ -55,7 +56,9 @@ def add_planner_parsers(sub) -> None:
                    "float32 compute dtype)")
     p.add_argument("--chunk-tokens", type=int, default=0, help="prefill chunk (max_num_batched_tokens); 0 = one step")
     p.add_argument("--tokenize-ms", type=float, default=0.0, help="measured tokenization time to add")
-    p.add_argument("--queue-ms", type=float, default=0.0, help="measured queueing time to add")
+    p.add_argument("--queue-ms", type=float, default=0.0,
+                   help="measured queueing time to add to TTFT (not to --batch's arrive-together TTFT, which "
+                        "models that batch's own queueing)")
     p.add_argument("--network-ms", type=float, default=0.0, help="measured network/detokenize time to add")
     p.add_argument("--spec-acceptance", type=float, default=None, help="speculative decoding: acceptance rate α")
     p.add_argument("--spec-tokens", type=int, default=4, help="speculative decoding: draft length γ")

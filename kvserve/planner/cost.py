@@ -21,6 +21,7 @@ GPU_MEMORY_UTILIZATION = 0.9  # share of device memory for weights + KV (vLLM's 
 
 MAX_BATCH = 1_000_000  # sequences: Workload.validate's bounds on what plan costs step by step
 MAX_PREFILL_STEPS = 100_000
+MAX_BATCH_PREFILL_ROWS = 1_000_000  # prompt pieces + decode tokens batch_prefill_steps costs, at most
 MAX_MEASURED_MS = 1e9  # ~11.6 days: larger measured times are typos (and their sums overflow to inf)
 
 
@@ -206,27 +207,31 @@ def prefill_steps(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload)
 
 def batch_prefill_steps(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload) -> list[StepCost]:
     """The steps until the last of ``w.batch`` requests that arrive together has its first token, as
-    kvserve's scheduler and vLLM's chunked prefill run them: each step has a budget of
-    ``w.chunk_tokens`` tokens (0: all the prompts in one step) and gives it first to the requests whose
-    prompts are done, one decode token each (until their ``output_tokens`` are out; first come first),
-    then to the prompts in arrival order, a step taking the next request's tokens where one request's
-    end leaves room. Per step: the weights once, 2 × params × tokens, each prompt piece's causal
-    attention over its own prefix and each decode's over its context, the KV those read, and logits for
-    the decodes and the pieces that end a prompt. With ``w.batch`` = 1 these are :func:`prefill_steps`.
-    Empty where that is more than MAX_PREFILL_STEPS steps (costed one by one; a valid batch of a million
-    sequences in small chunks would take minutes)."""
+    kvserve's scheduler and vLLM's chunked prefill run them when every request fits at once
+    (``max_num_seqs`` ≥ batch, a KV cache that holds them all: no waiting for a slot, no preemption):
+    each step has a budget of ``w.chunk_tokens`` tokens (0: all the prompts in one step) and gives it
+    first to the requests whose prompts are done, one decode token each, first come first (each
+    decodes until its ``output_tokens`` are out), then to the prompts in arrival order, a step taking
+    the next request's tokens where one request's end leaves room. Per step: the weights once, 2 ×
+    params × tokens, each prompt piece's causal attention over its own prefix and each decode's over its
+    context, the KV those read, and logits for the decodes and the pieces that end a prompt. With
+    ``w.batch`` = 1 these are :func:`prefill_steps`. Empty past MAX_PREFILL_STEPS steps or
+    MAX_BATCH_PREFILL_ROWS pieces and decodes (costed one by one: a valid batch of a million sequences
+    in small chunks would take minutes)."""
     budget = w.chunk_tokens or w.prompt_tokens * w.batch
     if math.ceil(w.prompt_tokens * w.batch / budget) > MAX_PREFILL_STEPS:
         return []
     one = Workload(**{**w.__dict__, "batch": 1})
     decoding: list[list[int]] = []  # [tokens held, decode steps left] per request past its prompt
     steps: list[StepCost] = []
-    request, start = 0, 0
+    request, start, rows = 0, 0, 0
     while request < w.batch:
-        if len(steps) == MAX_PREFILL_STEPS:  # the decodes took the budget for this many steps
+        k = min(len(decoding), budget)  # this step's decodes
+        rows += k
+        if len(steps) == MAX_PREFILL_STEPS or rows > MAX_BATCH_PREFILL_ROWS:  # the decodes took the budget
             return []
         n, attn, contexts, logits = 0, 0.0, [], 0
-        for d in decoding[:budget]:
+        for d in decoding[:k]:
             d[0], d[1] = d[0] + 1, d[1] - 1
             attn += shape.decode_attention_flops(d[0])
             contexts.append(float(d[0]))
@@ -241,6 +246,7 @@ def batch_prefill_steps(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Wor
                 logits, request, start = logits + 1, request + 1, 0
                 if w.output_tokens > 1:
                     decoding.append([w.prompt_tokens, w.output_tokens - 1])
+        rows += len(contexts) - k  # its prompt pieces
         steps.append(step_cost(shape, hw, eff, one, n, contexts, attn, logits))
     return steps
 
@@ -302,7 +308,7 @@ class Plan:
     efficiency: Efficiency
     extras: dict = field(default_factory=dict)
     # the TTFT of the last of ``batch`` requests that arrive together (tokenize + Σ batch_prefill_steps,
-    # their queueing modelled there); the same as ttft_ms at batch 1; None where the steps were too many
+    # their queueing modelled there, no queue_ms); ttft_ms less queue_ms at batch 1; None: too many steps
     ttft_batch_ms: float | None = None
     batch_prefill: list[StepCost] = field(default_factory=list)
 
@@ -322,10 +328,8 @@ def plan(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, draft: M
     mean = decode_step(shape, hw, eff, w, w.prompt_tokens + max(n, 2) / 2)
     itl = mean.time_s * 1e3
     e2e = ttft + max(n - 1, 0) * itl + w.network_ms
-    if w.batch == 1:
-        together, ttft_batch = pre, ttft
-    else:  # no queue_ms: the batch's own queueing is in its steps
-        together = batch_prefill_steps(shape, hw, eff, w)
-        ttft_batch = w.tokenize_ms + sum(s.time_s for s in together) * 1e3 if together else None
+    # no queue_ms in the batch's figure: its own queueing is in its steps
+    together = batch_prefill_steps(shape, hw, eff, w) if w.batch > 1 else pre
+    ttft_batch = w.tokenize_ms + sum(s.time_s for s in together) * 1e3 if together else None
     return Plan(ttft, itl, e2e, pre, first, mean, last, capacity(shape, hw, w, draft), eff,
                 ttft_batch_ms=ttft_batch, batch_prefill=together)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
-from kvserve.planner.cost import MAX_PREFILL_STEPS, Plan, StepCost, Workload, plan
+from kvserve.planner.cost import MAX_BATCH_PREFILL_ROWS, MAX_PREFILL_STEPS, Plan, StepCost, Workload, plan
 from kvserve.planner.hardware import Efficiency, Hardware
 from kvserve.planner.shapes import ModelShape
 
@@ -39,11 +39,12 @@ def _batch_ttft_line(p: Plan, w: Workload) -> str:
     """The plan's second TTFT line: the last of ``w.batch`` requests that arrive together."""
     size = min(w.chunk_tokens or w.batch * w.prompt_tokens, w.batch * w.prompt_tokens)
     if p.ttft_batch_ms is None:
-        return (f"  TTFT        n/a      for the last of {w.batch:,} requests arriving together: more than "
-                f"{MAX_PREFILL_STEPS:,} prefill steps of up to {size:,} tokens, not costed")
+        return (f"  TTFT        n/a      for the last of {w.batch:,} requests arriving together: over "
+                f"{MAX_PREFILL_STEPS:,} steps of up to {size:,} tokens (or over {MAX_BATCH_PREFILL_ROWS:,} "
+                "prompt pieces and decodes in them), not costed")
     n = len(p.batch_prefill)
     return (f"  TTFT {p.ttft_batch_ms:10.1f} ms   for the last of {w.batch:,} requests arriving together "
-            f"({n:,} prefill step{'' if n == 1 else 's'} of up to {size:,} tokens)")
+            f"({n:,} step{'' if n == 1 else 's'} of up to {size:,} tokens, the done ones decoding meanwhile)")
 
 
 def within_context(shape: ModelShape, w: Workload) -> bool:
@@ -176,9 +177,9 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
              *(f"  NOTE: {n}" for n in _multi_node_notes(w, hw)),
              "  decode step at each row's mean context, in ms per step (weights, KV, compute, comm, overhead); "
              "tok/s: output tokens per second of the whole batch",
-             *(["  TTFT: one request's prefill alone; TTFT all: the last of the row's requests when they all "
-                f"arrive together, the done ones decoding meanwhile (ms; n/a: over {MAX_PREFILL_STEPS:,} steps)"]
-               if axis == "batch" else []),
+             *(["  TTFT: one request alone (tokenize + queue + prefill); TTFT all: the last of the row's "
+                "requests when they all arrive together, the done ones decoding meanwhile (ms; n/a: too many "
+                "steps to cost)"] if axis == "batch" else []),
              f"{'prompt' if axis == 'context' else 'batch':>8} {'TTFT ms':>10}"
              + (f" {'TTFT all':>10}" if axis == "batch" else "")
              + f" {'ITL ms':>8} {'weights':>8} {'KV':>8} "
