@@ -314,9 +314,9 @@ class Plan:
 
 
 def plan(shape: ModelShape, hw: Hardware, eff: Efficiency, w: Workload, draft: ModelShape | None = None) -> Plan:
-    """TTFT = tokenize + queue + Σ prefill steps of one request alone;
-    ``ttft_batch_ms`` the same for the last of ``batch`` requests that arrive together
-    (:func:`batch_prefill_steps`); ITL = the decode step at the mean context
+    """TTFT = tokenize + queue + Σ prefill steps of one request alone; ``ttft_batch_ms`` = tokenize +
+    Σ :func:`batch_prefill_steps`, the last of ``batch`` requests that arrive together (no queue: their
+    queueing is in those steps); ITL = the decode step at the mean context
     (KV bytes grow linearly, so this is the mean ITL); E2E = TTFT + (N − 1) × ITL + network.
     ``draft``: a draft model whose memory :func:`capacity` counts (its time: ``spec_decode``)."""
     w.validate()
