@@ -174,21 +174,25 @@ def test_requests_arriving_together_prefill_in_arrival_order():
     # past MAX_PREFILL_STEPS steps (100,000 × 8192 / 512 = 1.6 M) the figure is not costed, not minutes long
     many = plan(m, hw, NO_OVERHEAD, Workload(8192, 2, batch=100_000, chunk_tokens=512))
     assert many.ttft_batch_ms is None and many.ttft_ms > 0
-    # few steps, but each with up to a million decodes (a second review: killed after 170 s): n/a too
-    decodes = Workload(1, 250, batch=1_000_000, chunk_tokens=999_999)
-    assert batch_prefill_steps(m, hw, NO_OVERHEAD, decodes) == []
+    # few steps, but each with up to a million decodes (a second review: killed after 170 s): n/a too,
+    # here past a bound lowered to 3,000: 2,000 one-token prompts in steps of 1,999 leave the last one
+    # waiting while the first 1,999 decode, one step after another, until their 249 tokens are out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("kvserve.planner.cost.MAX_BATCH_PREFILL_ROWS", 3_000)
+        assert batch_prefill_steps(m, hw, NO_OVERHEAD, Workload(1, 250, batch=2_000, chunk_tokens=1_999)) == []
+        assert len(batch_prefill_steps(m, hw, NO_OVERHEAD, Workload(1, 250, batch=2_000, chunk_tokens=2_000))) == 1
     # --queue-ms is one request's measured wait; the batch figure models its own (also at batch 1)
     queued = plan(m, hw, NO_OVERHEAD, replace(w, queue_ms=500.0))
     assert queued.ttft_batch_ms == pytest.approx(p.ttft_batch_ms) and queued.ttft_ms == pytest.approx(p.ttft_ms + 500)
     assert plan(m, hw, NO_OVERHEAD, replace(w, batch=1, queue_ms=500.0)).ttft_batch_ms == pytest.approx(single.ttft_ms)
 
 
-@pytest.mark.parametrize("batch, prompt, chunk", [(4, 100, 77), (32, 16, 64), (48, 20, 100)])
+@pytest.mark.parametrize("batch, prompt, chunk", [(32, 16, 64), (48, 20, 100)])
 def test_batch_prefill_takes_the_engines_steps(batch, prompt, chunk):
     """The engine as the oracle (an adversarial review found the model ignored the done requests'
     decodes): kvserve's scheduler, ``batch`` requests added together with a token budget of ``chunk``,
-    takes as many steps until the last one's first token as batch_prefill_steps (4 × 100 in 77: 6
-    steps, none lost to decodes; 32 × 16 in 64: 11, where the prompts alone would fill 8)."""
+    takes as many steps until the last one's first token as batch_prefill_steps (32 × 16 in 64: 11,
+    where the prompts alone would fill 8)."""
     import random
 
     from kvserve import SamplingParams
