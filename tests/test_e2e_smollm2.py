@@ -140,7 +140,7 @@ def test_20_n_choices(smollm2):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_bf16_prefill_through_the_amx_attention_scores_like_sdpa(smollm2, kv_cache_dtype):
-    """The bundled model in bfloat16 scores a 1,100-token text prefilled in chunks of 512 (a causal chunk,
+    """The bundled model in bfloat16 scores a 600-token text prefilled in chunks of 256 (a causal chunk,
     then chunks after context) through the AMX prefill attention: against the float32 model's logprobs
     (the oracle) its mean |Δ logprob| is within 25 % of PyTorch SDPA's on the same bfloat16 model, and
     the kernel ran on every layer of every chunk, also where an int8 cache hands over its context
@@ -152,9 +152,9 @@ def test_bf16_prefill_through_the_amx_attention_scores_like_sdpa(smollm2, kv_cac
     if dll is None or not dll.prefill_attention_supported(64):
         pytest.skip("no prefill attention kernel here (AMX or AVX2)")
     text = " ".join(f"Line {i}: the {['red', 'green', 'blue'][i % 3]} fox counts {i * 7 % 13} hens." for i in range(90))
-    ids = [smollm2.tokenizer.encode(text)[:1100]]
+    ids = [smollm2.tokenizer.encode(text)[:600]]  # 1,100 tokens in chunks of 512 took ~70 s on 2 AVX2 cores
     ref = window_logprobs(smollm2, ids)[0]
-    bf16 = LLM("smollm2-135m", weight_dtype="bfloat16", dtype="bfloat16", progress=False, max_num_batched_tokens=512,
+    bf16 = LLM("smollm2-135m", weight_dtype="bfloat16", dtype="bfloat16", progress=False, max_num_batched_tokens=256,
                enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     calls, orig = [], kv_quant_kernel.prefill_attention
 
@@ -173,7 +173,7 @@ def test_bf16_prefill_through_the_amx_attention_scores_like_sdpa(smollm2, kv_cac
         sdpa = window_logprobs(bf16, ids)[0]
     finally:
         paged._prefill_kernel = original_kernel
-    assert sorted(set(calls)) == [76, 512] and len(calls) == 3 * bf16.engine.model_config.num_layers
+    assert sorted(set(calls)) == [88, 256] and len(calls) == 3 * bf16.engine.model_config.num_layers
     d_amx = sum(abs(a - r) for a, r in zip(amx, ref)) / len(ref)
     d_sdpa = sum(abs(s - r) for s, r in zip(sdpa, ref)) / len(ref)
-    assert d_amx <= 1.25 * d_sdpa, (d_amx, d_sdpa)  # measured 0.0109 vs 0.0102
+    assert d_amx <= 1.25 * d_sdpa, (d_amx, d_sdpa)  # measured 0.0109 vs 0.0102 over 1,100 tokens
