@@ -48,6 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser, multi_step: bool = True) -> None
         g.add_argument("--num-scheduler-steps", type=int, default=1,
                        help="decode steps per engine step, 1-64 (multi-step scheduling: tokens leave in bursts; "
                             "default 1)")
+    else:
+        p.set_defaults(num_scheduler_steps=1)
     g.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the decoder layers (fewer per-op overheads; the first steps compile)")
@@ -122,7 +124,7 @@ def build_llm(a: argparse.Namespace, progress: bool = True):
     return LLM(a.model, dtype=a.dtype, weight_dtype=a.weight_dtype, load_format=a.load_format, kv_cache_memory=a.kv_cache_memory,
                num_kv_blocks=a.num_kv_blocks, block_size=a.block_size, max_model_len=a.max_model_len,
                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-               num_scheduler_steps=getattr(a, "num_scheduler_steps", 1), num_threads=a.threads, seed=a.seed_engine, progress=progress,
+               num_scheduler_steps=a.num_scheduler_steps, num_threads=a.threads, seed=a.seed_engine, progress=progress,
                enable_prefix_caching=a.enable_prefix_caching, kv_cache_dtype=a.kv_cache_dtype,
                speculative_method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
                draft_model=a.draft_model, draft_load_format=a.draft_load_format, compile=a.compile)

@@ -160,6 +160,7 @@ def test_commands_where_multi_step_cannot_apply_have_no_flag(argv, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(argv + ["--num-scheduler-steps", "4"])
     assert "unrecognized arguments: --num-scheduler-steps" in capsys.readouterr().err
+    assert parser.parse_args(argv).num_scheduler_steps == 1  # what build_llm passes the engine
 
 
 def test_bench_latency_with_bursts_reports_per_pass_bytes_and_tpot(monkeypatch):
