@@ -227,6 +227,12 @@ CASES += [
                                                           "add_generation_prompt": True},
          param="continue_final_message", needles=("add_generation_prompt",)),
     # /tokenize, /detokenize
+    # with messages, /tokenize is the prompt chat would prefill, and chat refuses tools (vLLM renders them
+    # into the prompt): it ignored them and answered 200
+    Case("tokenize_messages_tools", TOK, {"prompt": None, "messages": user(), "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, param="tools", needles=("not supported",)),
+    Case("tokenize_messages_tool_choice", TOK, {"prompt": None, "messages": user(), "tool_choice": "required"},
+         param="tool_choice"),
     Case("tokenize_neither", TOK, {}, replace=True, param="prompt"),
     Case("tokenize_both", TOK, {"messages": user()}, param="prompt"),
     Case("tokenize_prompt_int", TOK, {"prompt": 5}, param="prompt"),
@@ -367,6 +373,8 @@ def test_continue_final_message_alone_is_accepted(client):
     sys_ = [{"role": "system", "content": "Be brief."}] + conv
     assert client.post(TOK, json={"messages": dev}).json()["tokens"] == \
         client.post(TOK, json={"messages": sys_}).json()["tokens"]
+    # the no-op values of chat's unsupported fields pass here as there
+    assert client.post(TOK, json={"messages": conv, "tools": [], "tool_choice": "none"}).json()["count"] == opened
 
 
 @pytest.mark.parametrize("content", ["", None, []], ids=["empty_string", "null", "empty_parts"])

@@ -14,7 +14,8 @@ from kvserve.metrics.prometheus import ServerMetrics
 from kvserve.metrics.timeline import now
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.errors import APIError, install_handlers, parse_body
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                     reject_unsupported)
 from kvserve.server.serving import OpenAIServing
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -95,6 +96,7 @@ def create_app(llm, api_key: str | None = None, model_name: str | None = None,
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if body.messages is not None:  # the prompt /v1/chat/completions would prefill for these messages
+            reject_unsupported(body)  # tools change that prompt in vLLM (the template renders them); chat refuses them
             _, ids = serving.encode_chat(body)
         else:
             ids = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -30,6 +30,15 @@ _UNSUPPORTED = {
 }
 
 
+def reject_unsupported(body: BaseModel) -> None:
+    """InvalidRequestError naming the first field of ``_UNSUPPORTED`` that ``body`` carries with a value
+    other than its no-ops."""
+    for name, value in (body.model_extra or {}).items():
+        if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
+            raise InvalidRequestError(f"{name} is not supported by this server (kvserve generates plain text "
+                                      f"only: no tool calls, structured output, audio or predicted outputs)", name)
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -59,10 +68,7 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (a JSON key, so a string) -> bias
 
     def _common(self) -> dict:
-        for name, value in (self.model_extra or {}).items():
-            if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
-                raise InvalidRequestError(f"{name} is not supported by this server (kvserve generates plain text "
-                                          f"only: no tool calls, structured output, audio or predicted outputs)", name)
+        reject_unsupported(self)
         if self.n > MAX_N:
             raise InvalidRequestError(f"n must be <= {MAX_N}, got {self.n}", "n")
         out = {"n": self.n, "seed": self.seed, "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
