@@ -357,14 +357,19 @@ def test_plan_cli_text_sweep_and_errors(capsys, tmp_path, monkeypatch):
     out = capsys.readouterr().out
     assert "smollm2-135m on 1× h200" in out and "batch 2" in out.splitlines()[0] and "fits = no" not in out
     assert out.splitlines()[1].startswith("  --tp not given: 1 GPU holds")
-    assert out.splitlines()[3].split()[0] == "prompt"
+    # at batch 2 the context sweep has the TTFT all column too (its JSON had ttft_batch_ms, the table not)
+    assert out.splitlines()[4].split()[:4] == ["prompt", "TTFT", "ms", "TTFT"] and "TTFT all:" in out
+    table = [line.split() for line in out.splitlines()[5:]]
     # --json: one object with each row's plan (the same figures as the table), no PNG unless --plot asks
     monkeypatch.chdir(tmp_path)
     assert main(["plan", "--model", "smollm2-135m", "--hardware", "h200", "--sweep", "context", "--batch", "2",
                  "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    assert [r["context"] for r in got["rows"]] == [int(line.split()[0]) for line in out.splitlines()[4:]]
-    assert [round(r["itl_ms"], 2) for r in got["rows"]] == [float(line.split()[2]) for line in out.splitlines()[4:]]
+    assert [r["context"] for r in got["rows"]] == [int(row[0]) for row in table]
+    assert [round(r["ttft_ms"], 1) for r in got["rows"]] == [float(row[1]) for row in table]
+    assert [round(r["ttft_batch_ms"], 1) for r in got["rows"]] == [float(row[2]) for row in table]
+    assert all(float(row[2]) >= float(row[1]) for row in table)  # the second of two waits at least as long
+    assert [round(r["itl_ms"], 2) for r in got["rows"]] == [float(row[3]) for row in table]
     assert all(r["workload"]["prompt_tokens"] == r["context"] for r in got["rows"])
     assert not list(tmp_path.glob("plan-*.png"))
     assert main(["plan", "--model", "no-such-model"]) == 2

@@ -162,14 +162,15 @@ def _multi_node_notes(w: Workload, hw: Hardware) -> list[str]:
 def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw: Hardware, w: Workload,
                  spec_itl_ms: list[float] | None = None, spec_note: str | None = None) -> str:
     """The sweep as a table under a title line that names the model, hardware, dtypes and what is held
-    fixed. Columns: the prompt length (context) or batch, TTFT (and, over batch, the TTFT of the last of
-    the batch's requests arriving together) and ITL, the decode step's terms at the
+    fixed. Columns: the prompt length (context) or batch, TTFT (and, over batch or over context at a
+    batch above 1, the TTFT of the last of the batch's requests arriving together) and ITL, the decode step's terms at the
     mean context (weights, KV, compute, comm, overhead; ms), output tokens/s, what bounds the step
     (``StepCost.limiter``, as in the single plan's step line), and whether weights + KV fit the usable
     memory; with ``spec_itl_ms`` (one per row) a last column of the mean ITL with speculative decoding,
     which ``spec_note`` describes."""
     held = (f"batch {w.batch}, {w.output_tokens:,} output tokens" if axis == "context"
             else f"{w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens")
+    all_col = axis == "batch" or w.batch > 1  # a batch of more than one request has a TTFT of its last
     lines = [f"kvserve plan --sweep {axis} — {shape.name} on {w.tp}× {hw.name}: weights {_weights(w)}, "
              f"KV {w.kv_dtype}, {held}",
              *([f"  {w.tp_note} (at the base workload: batch {w.batch}, {w.prompt_tokens:,} prompt tokens; "
@@ -179,9 +180,9 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
              "tok/s: output tokens per second of the whole batch",
              *(["  TTFT: one request alone (tokenize + queue + prefill); TTFT all: the last of the row's "
                 "requests when they all arrive together, the done ones decoding meanwhile (ms; n/a: too many "
-                "steps to cost)"] if axis == "batch" else []),
+                "steps to cost)"] if all_col else []),
              f"{'prompt' if axis == 'context' else 'batch':>8} {'TTFT ms':>10}"
-             + (f" {'TTFT all':>10}" if axis == "batch" else "")
+             + (f" {'TTFT all':>10}" if all_col else "")
              + f" {'ITL ms':>8} {'weights':>8} {'KV':>8} "
              f"{'compute':>8} {'comm':>6} {'overhead':>8} {'tok/s':>9} {'bound':>8} {'fits':>5}"
              + (f" {'spec ITL':>9}" if spec_itl_ms else "")]
@@ -190,7 +191,7 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
     for i, (x, p) in enumerate(rows):
         t = p.decode_mean.terms_ms()
         batch = p.decode_mean.num_tokens
-        lines.append(f"{x:>8} {p.ttft_ms:>10.1f}" + (f" {_ms(p.ttft_batch_ms):>10}" if axis == "batch" else "")
+        lines.append(f"{x:>8} {p.ttft_ms:>10.1f}" + (f" {_ms(p.ttft_batch_ms):>10}" if all_col else "")
                      + f" {p.itl_ms:>8.2f} {t['weights_ms']:>8.2f} {t['kv_ms']:>8.2f} "
                      f"{t['compute_ms']:>8.2f} {t['comm_ms']:>6.2f} {t['overhead_ms']:>8.2f} "
                      f"{batch * 1e3 / p.itl_ms:>9.1f} {p.decode_mean.limiter:>8} "
