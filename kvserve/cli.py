@@ -153,9 +153,10 @@ def model_header(llm) -> str:
             f"{_spec_note(eng.config.spec_decode)}{_multi_step_note(eng.config.scheduler.num_scheduler_steps)}")
 
 
-def _multi_step_note(steps: int) -> str:
-    """The multi-step line of the header ('' at 1 step per engine step)."""
-    return "" if steps == 1 else f"\n  multi-step scheduling: up to {steps} decode steps per engine step"
+def _multi_step_note(steps: int, sep: str = "\n  ") -> str:
+    """The multi-step note of the header and of serve's startup line, after ``sep`` ('' at 1 step per
+    engine step)."""
+    return "" if steps == 1 else f"{sep}multi-step scheduling: up to {steps} decode steps per engine step"
 
 
 def _spec_note(spec) -> str:
@@ -240,10 +241,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     llm = build_llm(a)
     app = create_app(llm, api_key=a.api_key, model_name=a.served_model_name)
     banner = f"kvserve: serving {app.state.metrics._model} on http://{a.host}:{a.port}/v1"
-    steps = llm.engine.config.scheduler.num_scheduler_steps
-    if steps > 1:
-        banner += f"; multi-step scheduling: up to {steps} decode steps per engine step"
-    print(banner, file=sys.stderr)
+    print(banner + _multi_step_note(llm.engine.config.scheduler.num_scheduler_steps, "; "), file=sys.stderr)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=5)
     return 0
 

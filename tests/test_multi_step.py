@@ -198,12 +198,14 @@ def test_anatomy_step_table_says_which_rows_are_bursts():
 
 
 def test_model_header_states_the_steps_per_engine_step():
-    """generate's header (and serve's banner, built from the same setting) says when bursts may run."""
-    from kvserve.cli import model_header
+    """generate's header (and serve's startup line, built by the same function) says when bursts may run."""
+    from kvserve.cli import _multi_step_note, model_header
 
     assert "multi-step scheduling: up to 6 decode steps per engine step" in model_header(
         tiny_llm(num_scheduler_steps=6))
     assert "multi-step" not in model_header(tiny_llm())
+    assert _multi_step_note(6, "; ") == "; multi-step scheduling: up to 6 decode steps per engine step"
+    assert _multi_step_note(1, "; ") == ""
 
 
 def test_stop_string_before_a_stop_token_in_the_same_burst():
