@@ -71,10 +71,17 @@ class LLM:
         raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
                                   "prompt")
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool | None = None,
                             continue_final_message: bool = False) -> str:
         """Render messages with the model's chat template (text; tokenized without adding a BOS). Role
-        ``developer`` (OpenAI's newer name for it) is rendered as ``system``, as the server does."""
+        ``developer`` (OpenAI's newer name for it) is rendered as ``system``, as the server does.
+        ``add_generation_prompt`` (open the assistant's turn) defaults to ``not continue_final_message``;
+        both set true raises InvalidRequestError naming ``continue_final_message``, as the server's 400 and
+        Hugging Face's apply_chat_template do."""
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to true: "
+                                      "the first continues the last message, the second starts a new one",
+                                      "continue_final_message")
         if not messages:
             raise InvalidRequestError("messages must contain at least one message", "messages")
         for i, m in enumerate(messages):
@@ -87,8 +94,8 @@ class LLM:
                                       "messages")
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message)
+            messages, tokenize=False, add_generation_prompt=not continue_final_message if add_generation_prompt is None
+            else add_generation_prompt, continue_final_message=continue_final_message)
 
     def encode_chat(self, messages: Sequence[Message], **kw) -> tuple[str, list[int]]:
         text = self.apply_chat_template(messages, **kw)
@@ -117,8 +124,9 @@ class LLM:
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
-        """Like ``generate`` for conversations (one list of messages, or a list of them)."""
+             add_generation_prompt: bool | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
+        """Like ``generate`` for conversations (one list of messages, or a list of them); the two flags as in
+        ``apply_chat_template`` (InvalidRequestError where both are true)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidRequestError("messages must be a non-empty list of messages (or of conversations)",
                                       "messages")

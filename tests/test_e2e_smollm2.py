@@ -4,6 +4,7 @@ derived from a first greedy run of the same model, never hard-coded from kvserve
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.sampling_params import InvalidRequestError
 
 pytestmark = pytest.mark.slow
 
@@ -128,6 +129,16 @@ def test_19_chat_template_tokens_match_reference(smollm2):
     cont = smollm2.chat(prefill, SamplingParams(max_tokens=1), continue_final_message=True)[0]
     im_end = smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert cont.prompt_token_ids[-1] != im_end and smollm2.tokenizer.decode(cont.prompt_token_ids).endswith("Hello")
+    # Hugging Face's own continued rendering is the oracle; add_generation_prompt=False says the same,
+    # and both true is refused by name, as the server's 400 (it continued silently before)
+    ref = smollm2.tokenizer.apply_chat_template(prefill, continue_final_message=True, tokenize=False)
+    assert cont.prompt_token_ids == smollm2.tokenizer.encode(ref, add_special_tokens=False)
+    explicit = smollm2.chat(prefill, SamplingParams(max_tokens=1), add_generation_prompt=False,
+                            continue_final_message=True)[0]
+    assert explicit.prompt_token_ids == cont.prompt_token_ids
+    with pytest.raises(InvalidRequestError, match="continue_final_message") as e:
+        smollm2.chat(prefill, SamplingParams(max_tokens=1), add_generation_prompt=True, continue_final_message=True)
+    assert e.value.param == "continue_final_message"
 
 
 def test_20_n_choices(smollm2):

@@ -166,11 +166,9 @@ def template_flags(body: "ChatCompletionRequest | TokenizeRequest") -> dict:
     """add_generation_prompt and continue_final_message of a chat or /tokenize request, for
     ``LLM.encode_chat``. Both set true in the request is an error, as in vLLM (its
     check_generation_prompt); add_generation_prompt left at its default true gives way to continuing."""
-    if body.continue_final_message and body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
-        raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to true: the "
-                                  "first continues the last message, the second starts a new one",
-                                  "continue_final_message")
-    return {"add_generation_prompt": body.add_generation_prompt, "continue_final_message": body.continue_final_message}
+    explicit = "add_generation_prompt" in body.model_fields_set  # LLM.encode_chat refuses both true
+    return {"add_generation_prompt": body.add_generation_prompt if explicit else None,
+            "continue_final_message": body.continue_final_message}
 
 
 class ChatCompletionRequest(_SamplingFields):
