@@ -507,6 +507,16 @@ def test_plan_on_local_defaults_to_what_the_engine_runs(tmp_path, monkeypatch, c
     assert dtypes("--hardware", "local", "--model", "smollm2-135m") == ("int4", "fp32")
     assert dtypes("--hardware", "local", "--kv-dtype", "int8") == ("int4", "int8")
     assert dtypes("--hardware", "h200", "--model", "smollm2-135m") == ("bf16", "bf16")
+    # local prefills in the engine's chunks (SchedulerConfig's 2,048 tokens: 5,000 → 3 steps, as the
+    # engine schedules them), elsewhere in one step unless --chunk-tokens says; it was one step on local too
+    from kvserve.config import SchedulerConfig
+
+    got = plan_json("--hardware", "local", "--prompt-tokens", "5000")
+    assert got["workload"]["chunk_tokens"] == SchedulerConfig().max_num_batched_tokens == 2048
+    assert got["prefill"]["num_steps"] == 3
+    assert plan_json("--hardware", "local", "--prompt-tokens", "5000", "--chunk-tokens", "0")["prefill"]["num_steps"] == 1
+    gpu = plan_json("--hardware", "h200", "--model", "smollm2-135m", "--prompt-tokens", "5000")
+    assert gpu["workload"]["chunk_tokens"] == 0 and gpu["prefill"]["num_steps"] == 1
 
 
 def test_plan_on_local_reads_the_bundled_gemma_by_either_name(monkeypatch):

@@ -54,7 +54,9 @@ def add_planner_parsers(sub) -> None:
     p.add_argument("--kv-dtype", default=None, type=_plan_dtype,
                    help="as --weight-dtype; default bf16, on --hardware local fp32 (the engine's default, the "
                    "float32 compute dtype)")
-    p.add_argument("--chunk-tokens", type=int, default=0, help="prefill chunk (max_num_batched_tokens); 0 = one step")
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="prefill chunk (max_num_batched_tokens); 0 = one step; default 0, on --hardware local "
+                   "the engine's own max_num_batched_tokens (2048)")
     p.add_argument("--tokenize-ms", type=float, default=0.0, help="measured tokenization time to add")
     p.add_argument("--queue-ms", type=float, default=0.0,
                    help="measured queueing time to add to TTFT (not to --batch's arrive-together TTFT, which "
@@ -117,6 +119,10 @@ def _resolve(a: argparse.Namespace):
         a.weight_dtype, per_param, note = _engine_weights(model)
     a.weight_dtype = a.weight_dtype or "bf16"
     a.kv_dtype = a.kv_dtype or ("fp32" if local else "bf16")  # local: the engine's float32 compute dtype
+    if a.chunk_tokens is None:  # local: the chunks `generate` and `serve` prefill in
+        from kvserve.config import SchedulerConfig
+
+        a.chunk_tokens = SchedulerConfig.max_num_batched_tokens if local else 0
     a.model = model
     shape = get_model(a.model)
     if a.tp is not None and a.tp >= 1 and (why := tp_split_error(shape, a.tp)):
