@@ -514,7 +514,8 @@ def test_plan_on_local_defaults_to_what_the_engine_runs(tmp_path, monkeypatch, c
     got = plan_json("--hardware", "local", "--prompt-tokens", "5000")
     assert got["workload"]["chunk_tokens"] == SchedulerConfig().max_num_batched_tokens == 2048
     assert got["prefill"]["num_steps"] == 3
-    assert plan_json("--hardware", "local", "--prompt-tokens", "5000", "--chunk-tokens", "0")["prefill"]["num_steps"] == 1
+    one_step = plan_json("--hardware", "local", "--prompt-tokens", "5000", "--chunk-tokens", "0")
+    assert one_step["prefill"]["num_steps"] == 1
     gpu = plan_json("--hardware", "h200", "--model", "smollm2-135m", "--prompt-tokens", "5000")
     assert gpu["workload"]["chunk_tokens"] == 0 and gpu["prefill"]["num_steps"] == 1
 

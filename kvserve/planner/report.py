@@ -163,10 +163,10 @@ def format_sweep(rows: list[tuple[int, Plan]], axis: str, shape: ModelShape, hw:
                  spec_itl_ms: list[float] | None = None, spec_note: str | None = None) -> str:
     """The sweep as a table under a title line that names the model, hardware, dtypes and what is held
     fixed. Columns: the prompt length (context) or batch, TTFT (and, over batch or over context at a
-    batch above 1, the TTFT of the last of the batch's requests arriving together) and ITL, the decode step's terms at the
-    mean context (weights, KV, compute, comm, overhead; ms), output tokens/s, what bounds the step
-    (``StepCost.limiter``, as in the single plan's step line), and whether weights + KV fit the usable
-    memory; with ``spec_itl_ms`` (one per row) a last column of the mean ITL with speculative decoding,
+    batch above 1, the TTFT of the last of the batch's requests arriving together) and ITL, the decode
+    step's terms at the mean context (weights, KV, compute, comm, overhead; ms), output tokens/s, what
+    bounds the step (``StepCost.limiter``, as in the single plan's step line), and whether weights + KV
+    fit the usable memory; with ``spec_itl_ms`` (one per row) a last column of the mean ITL with speculative decoding,
     which ``spec_note`` describes."""
     held = (f"batch {w.batch}, {w.output_tokens:,} output tokens" if axis == "context"
             else f"{w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens")
