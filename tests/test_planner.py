@@ -516,6 +516,10 @@ def test_plan_on_local_defaults_to_what_the_engine_runs(tmp_path, monkeypatch, c
     assert got["prefill"]["num_steps"] == 3
     one_step = plan_json("--hardware", "local", "--prompt-tokens", "5000", "--chunk-tokens", "0")
     assert one_step["prefill"]["num_steps"] == 1
+    assert main(["plan", "--hardware", "local", "--prompt-tokens", "5000"]) == 0  # the text says the chunk
+    assert "(3 prefill steps of up to 2,048 tokens," in capsys.readouterr().out
+    assert main(["plan", "--hardware", "local", "--prompt-tokens", "5000", "--chunk-tokens", "0"]) == 0
+    assert "(1 prefill step," in capsys.readouterr().out
     gpu = plan_json("--hardware", "h200", "--model", "smollm2-135m", "--prompt-tokens", "5000")
     assert gpu["workload"]["chunk_tokens"] == 0 and gpu["prefill"]["num_steps"] == 1
 

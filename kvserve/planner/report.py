@@ -35,6 +35,12 @@ def plan_dict(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> dict:
     }
 
 
+def _prefill_steps(p: Plan, w: Workload) -> str:
+    """The first TTFT line's step count, with the chunk size where there is more than one step."""
+    n = len(p.prefill)
+    return "1 prefill step" if n == 1 else f"{n:,} prefill steps of up to {w.chunk_tokens:,} tokens"
+
+
 def _batch_ttft_line(p: Plan, w: Workload) -> str:
     """The plan's second TTFT line: the last of ``w.batch`` requests that arrive together."""
     size = min(w.chunk_tokens or w.batch * w.prompt_tokens, w.batch * w.prompt_tokens)
@@ -108,7 +114,7 @@ def format_plan(p: Plan, shape: ModelShape, hw: Hardware, w: Workload) -> str:
         *([f"  NOTE: {w.prompt_tokens + w.output_tokens:,} tokens exceed the model's context length "
            f"(max_position_embeddings {shape.max_position_embeddings:,}): the engine would reject this "
            f"request; figures extrapolated"] if not within_context(shape, w) else []),
-        f"  TTFT {p.ttft_ms:10.1f} ms   ({len(p.prefill)} prefill step(s), {pre_flops / 1e12:.1f} TFLOP per {dev}, "
+        f"  TTFT {p.ttft_ms:10.1f} ms   ({_prefill_steps(p, w)}, {pre_flops / 1e12:.1f} TFLOP per {dev}, "
         f"{p.prefill[-1].bound}-bound)",
         *([_batch_ttft_line(p, w)] if w.batch > 1 else []),
         f"  ITL  {p.itl_ms:10.2f} ms   (mean; {p.decode_first.time_s * 1e3:.2f} at the first token, "
