@@ -233,8 +233,8 @@ CASES += [
         {"type": "function", "function": {"name": "f", "parameters": {}}}]}, param="tools", needles=("not supported",)),
     Case("tokenize_messages_tool_choice", TOK, {"prompt": None, "messages": user(), "tool_choice": "required"},
          param="tool_choice"),
-    Case("tokenize_neither", TOK, {}, replace=True, param="prompt"),
-    Case("tokenize_both", TOK, {"messages": user()}, param="prompt"),
+    Case("tokenize_neither", TOK, {}, replace=True, param="prompt", code="invalid_value"),
+    Case("tokenize_both", TOK, {"messages": user()}, param="prompt", code="invalid_value"),  # code was null
     Case("tokenize_prompt_int", TOK, {"prompt": 5}, param="prompt"),
     Case("tokenize_messages_empty", TOK, {"prompt": None, "messages": []}, param="messages"),
     Case("tokenize_message_without_content", TOK, {"prompt": None, "messages": [{"role": "user"}]},

@@ -94,9 +94,9 @@ def create_app(llm, api_key: str | None = None, model_name: str | None = None,
         body = await parse_body(request, TokenizeRequest, max_body_bytes)
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+            raise APIError(400, "give exactly one of prompt or messages", "prompt", "invalid_value")
         if body.messages is not None:  # the prompt /v1/chat/completions would prefill for these messages
-            reject_unsupported(body)  # tools change that prompt in vLLM (the template renders them); chat refuses them
+            reject_unsupported(body)  # what chat refuses (tools: vLLM's template renders them into the prompt)
             _, ids = serving.encode_chat(body)
         else:
             ids = llm.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
