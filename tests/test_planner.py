@@ -259,6 +259,36 @@ def test_hf_config_deepseek_and_gemma(tmp_path):
     assert g.num_params() == get_model("gemma-3-270m").num_params()
 
 
+def test_hf_config_qwen2_moe_counts_its_shared_expert():
+    """Qwen2-MoE's one always-on shared expert (its own width, shared_expert_intermediate_size) was left
+    out: Qwen1.5-MoE-A2.7B planned 13.5 B parameters. The oracle is the models' cards: Qwen1.5-MoE-A2.7B
+    "14.3B parameters in total and 2.7B activated", Qwen2-57B-A14B 57 B and 14 B (activated: the
+    matmul parameters per token plus the embedding table)."""
+    from kvserve.config import ConfigError
+    from kvserve.planner.cost import tp_split_error
+
+    a27 = {"model_type": "qwen2_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+           "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts": 60,
+           "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_attention_heads": 16,
+           "num_key_value_heads": 16, "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "max_position_embeddings": 8192, "sliding_window": 32768, "use_sliding_window": False}
+    a14 = {**a27, "hidden_size": 3584, "intermediate_size": 18944, "moe_intermediate_size": 2560,
+           "shared_expert_intermediate_size": 20480, "num_experts": 64, "num_experts_per_tok": 8,
+           "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4}
+    for cfg, total, active in ((a27, 14.3e9, 2.7e9), (a14, 57.4e9, 14.2e9)):
+        s = shape_from_hf_config(cfg, "qwen2-moe")
+        assert s.attention_bias and s.sliding_window == 0
+        assert s.num_params() == pytest.approx(total, rel=0.005)
+        assert s.matmul_params_per_token() + s.embedding_params() == pytest.approx(active, rel=0.02)
+    s = shape_from_hf_config(a27, "qwen2-moe")
+    assert tp_split_error(s, 8) is None  # 16 heads, 1,408 and 5,632 wide: 8 GPUs split it
+    assert "shared expert's intermediate width (5,000)" in tp_split_error(
+        s.replace(shared_expert_intermediate_size=5000), 16)
+    for field, value in (("decoder_sparse_step", 2), ("mlp_only_layers", [0, 5])):  # layouts not modelled
+        with pytest.raises(ConfigError, match=field):
+            shape_from_hf_config({**a27, field: value}, "qwen2-moe")
+
+
 # ---------------------------------------------------------------- calibration against public figures
 def test_calibration_reproduces_public_measurements_within_25_percent():
     from kvserve.planner.calibrate import calibrate

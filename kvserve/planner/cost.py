@@ -127,9 +127,9 @@ def tp_split_error(shape: ModelShape, tp: int) -> str | None:
     """Why ``tp`` GPUs cannot split ``shape`` by tensor parallelism, or None when they can: each rank
     takes an equal share of the attention heads, of the KV heads (or, with fewer KV heads than ranks,
     a whole replicated one: ``tp`` a multiple of them) and of the MLP's intermediate width (and each
-    expert's). These are vLLM's own checks (its Llama attention asserts the head rules, its column-
-    parallel linear layers divide their output width by the TP size; a MoE model's dense MLP width counts
-    only where it has dense layers). An MLA latent has no KV heads."""
+    expert's, and a Qwen2-MoE shared expert's). These are vLLM's own checks (its Llama attention asserts
+    the head rules, its column-parallel linear layers divide their output width by the TP size; a MoE
+    model's dense MLP width counts only where it has dense layers). An MLA latent has no KV heads."""
     if shape.num_heads % tp:
         return f"does not divide {shape.name}'s {shape.num_heads} attention heads"
     kv = shape.num_kv_heads
@@ -138,7 +138,8 @@ def tp_split_error(shape: ModelShape, tp: int) -> str | None:
         return f"{how} {shape.name}'s {kv} KV heads"
     dense = not shape.num_experts or shape.first_k_dense_replace > 0  # a MoE model may have no dense MLP
     for width, what in ((shape.intermediate_size if dense else 0, "MLP intermediate width"),
-                        (shape.moe_intermediate_size if shape.num_experts else 0, "experts' intermediate width")):
+                        (shape.moe_intermediate_size if shape.num_experts else 0, "experts' intermediate width"),
+                        (shape.shared_expert_intermediate_size, "shared expert's intermediate width")):
         if width and width % tp:
             return f"does not divide {shape.name}'s {what} ({width:,})"
     return None

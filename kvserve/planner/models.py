@@ -96,9 +96,16 @@ def _layer_counts(cfg: dict, num_layers: int) -> tuple[int, int]:
 
 
 def shape_from_hf_config(cfg: dict, name: str = "custom") -> ModelShape:
-    """ModelShape from an HF config dict (Llama, Mistral, Mixtral, Qwen2, Gemma 3, DeepSeek-V2/V3).
-    Multimodal configs use their ``text_config``. KeyError → ConfigError naming the missing field."""
+    """ModelShape from an HF config dict (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Gemma 3,
+    DeepSeek-V2/V3). Multimodal configs use their ``text_config``. KeyError → ConfigError naming the
+    missing field; ConfigError too for a Qwen2-MoE layout other than every layer sparse
+    (``decoder_sparse_step`` 1, no ``mlp_only_layers``)."""
     cfg = {**cfg, **cfg.get("text_config", {})}
+    step, dense_only = int(cfg.get("decoder_sparse_step") or 1), cfg.get("mlp_only_layers") or []
+    if step != 1 or dense_only:
+        field = "decoder_sparse_step" if step != 1 else "mlp_only_layers"
+        raise ConfigError(f"config.json of {name!r}: {field} {cfg[field]!r} mixes dense and MoE layers in a "
+                          f"pattern the planner does not model (it takes dense layers first, then MoE ones)")
     try:
         layers, heads, hidden = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
         window, sliding = _layer_counts(cfg, layers)
@@ -111,7 +118,7 @@ def shape_from_hf_config(cfg: dict, name: str = "custom") -> ModelShape:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or (nope + rope) or hidden // heads),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+            attention_bias=cfg.get("model_type") in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             attention="mla" if mla else "gqa", sliding_window=window, num_sliding_layers=sliding,
             q_lora_rank=int(cfg.get("q_lora_rank") or 0), kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
@@ -119,7 +126,8 @@ def shape_from_hf_config(cfg: dict, name: str = "custom") -> ModelShape:
             num_experts=experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
             num_shared_experts=int(cfg.get("n_shared_experts") or 0),
             moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
-            first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0))
+            first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if experts else 0)
     except KeyError as e:
         raise ConfigError(f"config.json of {name!r} lacks the field {e.args[0]!r}") from None
 

@@ -43,7 +43,9 @@ class ModelShape:
     last ``sliding_window`` tokens (Gemma 3, arXiv:2503.19786), the rest to the whole context.
     MoE (``num_experts`` > 0): layers from ``first_k_dense_replace`` on have ``num_experts`` routed
     experts of ``moe_intermediate_size`` (``num_experts_per_tok`` chosen per token) plus
-    ``num_shared_experts`` always-on experts; earlier layers are dense with ``intermediate_size``.
+    ``num_shared_experts`` always-on experts (DeepSeek) or one always-on shared expert of its own
+    ``shared_expert_intermediate_size`` with a one-output gate (Qwen2-MoE); earlier layers are dense
+    with ``intermediate_size``.
     """
 
     name: str
@@ -70,6 +72,7 @@ class ModelShape:
     num_shared_experts: int = 0
     moe_intermediate_size: int = 0
     first_k_dense_replace: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, name: str | None = None) -> "ModelShape":
@@ -163,7 +166,10 @@ class ModelShape:
         """All layer weights except the routed experts: attention, dense MLPs, shared experts, routers."""
         dense_mlp = 3 * self.hidden_size * self.intermediate_size
         num_dense = self.num_layers - self.num_moe_layers
-        moe_fixed = self.num_shared_experts * self.expert_params() + self.hidden_size * self.num_experts
+        shared = self.num_shared_experts * self.expert_params()
+        if self.shared_expert_intermediate_size:  # Qwen2-MoE: gate, up, down and a hidden → 1 gate
+            shared += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
+        moe_fixed = shared + self.hidden_size * self.num_experts  # + the router
         return (self.num_layers * self.attention_params_per_layer() + num_dense * dense_mlp
                 + self.num_moe_layers * moe_fixed)
 
