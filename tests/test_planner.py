@@ -259,7 +259,7 @@ def test_hf_config_deepseek_and_gemma(tmp_path):
     assert g.num_params() == get_model("gemma-3-270m").num_params()
 
 
-def test_hf_config_qwen2_moe_counts_its_shared_expert():
+def test_hf_config_qwen2_moe_counts_its_shared_expert_and_qwen3_reads_as_is():
     """Qwen2-MoE's one always-on shared expert (its own width, shared_expert_intermediate_size) was left
     out: Qwen1.5-MoE-A2.7B planned 13.5 B parameters. The oracle is the models' cards: Qwen1.5-MoE-A2.7B
     "14.3B parameters in total and 2.7B activated", Qwen2-57B-A14B 57 B and 14 B (activated: the
@@ -287,6 +287,19 @@ def test_hf_config_qwen2_moe_counts_its_shared_expert():
     for field, value in (("decoder_sparse_step", 2), ("mlp_only_layers", [0, 5])):  # layouts not modelled
         with pytest.raises(ConfigError, match=field):
             shape_from_hf_config({**a27, field: value}, "qwen2-moe")
+    # Qwen3 (head_dim 128 apart from hidden / heads, no bias) and Qwen3-MoE (no shared expert), by the
+    # same cards: Qwen3-8B 8.2 B; Qwen3-30B-A3B 30.5 B in total, 3.3 B activated
+    q8 = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+          "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+          "tie_word_embeddings": False, "max_position_embeddings": 40960}
+    assert shape_from_hf_config(q8).num_params() == pytest.approx(8.2e9, rel=0.01)
+    a3 = {**q8, "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+          "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
+          "moe_intermediate_size": 768, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    s = shape_from_hf_config(a3)
+    assert not s.attention_bias and s.shared_expert_intermediate_size == 0
+    assert s.num_params() == pytest.approx(30.5e9, rel=0.005)
+    assert s.matmul_params_per_token() + s.embedding_params() == pytest.approx(3.3e9, rel=0.02)
 
 
 # ---------------------------------------------------------------- calibration against public figures
