@@ -554,3 +554,101 @@ def test_sampling_kernel_cuts_ties_where_the_torch_path_does():
             assert got[-2:] == [1, 1] and support == {0, 1}
         else:  # every kept token is likely enough to be drawn on the grid
             assert set(got) == support and len(support) == (1 if logits is top_tie else 50)
+
+
+# ------------------------------------------------------------------------------------ logprobs and penalty kernels
+def _reference_logprobs(x: torch.Tensor, t: int, k: int) -> tuple[float, int, list[int], list[float]]:
+    """float64: log_softmax's value of token t, 1 + the tokens of a strictly greater logit, and the k tokens
+    of largest logit in (logit descending, id ascending) order with their logprobs."""
+    v = x.double()
+    lp = torch.log_softmax(v, dim=-1)
+    order = sorted(range(len(v)), key=lambda i: (-v[i].item(), i))[:k]
+    return lp[t].item(), int((v > v[t]).sum()) + 1, order, [lp[i].item() for i in order]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_kernel_matches_a_float64_reference(dtype):
+    """kvs_token_logprobs (the sampler's logprobs on the CPU) against float64 log_softmax, rank and top-k
+    by (logit descending, id ascending): rows around the 8-lane edges and of SmolLM2's 49,152 entries,
+    heavy ties (rounded logits: torch's topk picked any of the tied tokens at the k-th place, the kernel
+    the lowest ids), -inf entries and a -inf token, k from 0 to 64; one call for rows picked out of a
+    batch. Logprobs within float32 rounding (2e-6 relative, 1e-6 absolute)."""
+    from kvserve.engine.sampler import sampling_kernel, token_logprobs
+
+    g = torch.Generator().manual_seed(11)
+    cases = []
+    for n in (1, 7, 8, 9, 17, 100, 49152):
+        x = torch.randn(3, n, generator=g) * 4
+        x[1] = x[1].round()  # ties
+        x[2, ::3] = float("-inf")
+        x[2, -1] = 0.0  # one finite entry at least
+        cases.append(x.to(dtype))
+    for x in cases:
+        if sampling_kernel(x) is None:
+            pytest.skip("no C compiler: the kernel path is not built here")
+        n = x.shape[1]
+        rows, tokens, ks = [2, 0, 1], [0, n // 2, n - 1], [min(64, n), 5 % (n + 1), 0]
+        got = token_logprobs(x, tokens, ks, rows)
+        for r, t, k, lp in zip(rows, tokens, ks, got):
+            ref_lp, ref_rank, ref_ids, ref_top = _reference_logprobs(x[r].float(), t, k)
+            assert lp.token_id == t and lp.rank == ref_rank and lp.top_token_ids == ref_ids, (n, r)
+            if ref_lp == float("-inf"):
+                assert lp.logprob == float("-inf")
+            else:
+                assert lp.logprob == pytest.approx(ref_lp, rel=2e-6, abs=1e-6), (n, r)
+            assert lp.top_logprobs == pytest.approx(ref_top, rel=2e-6, abs=1e-6), (n, r)
+
+
+def test_logprobs_kernel_leaves_nan_inf_and_all_minus_inf_rows_to_torch():
+    """Rows the kernel returns (a NaN, +inf, only -inf) get PyTorch's log_softmax answers, the rows beside
+    them the kernel's; a request for more than 64 alternatives (the kernel's most) takes PyTorch too."""
+    from kvserve.engine.sampler import _torch_token_logprobs, sampling_kernel, token_logprobs
+
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(4, 300, generator=g)
+    if sampling_kernel(x) is None:
+        pytest.skip("no C compiler: the kernel path is not built here")
+    x[0, 17] = float("nan")
+    x[1, 250] = float("inf")
+    x[2] = float("-inf")
+    got = token_logprobs(x, [3, 250, 5, 7], [3, 3, 3, 3])
+    want = _torch_token_logprobs(x, [3, 250, 5, 7], [3, 3, 3, 3])
+    for a, b in zip(got[:3], want[:3]):
+        assert repr(a) == repr(b)  # NaN logprobs compare equal as text
+    ref_lp, ref_rank, ref_ids, _ = _reference_logprobs(x[3], 7, 3)
+    assert (got[3].rank, got[3].top_token_ids) == (ref_rank, ref_ids)
+    many = token_logprobs(x[3:], [7], [65])[0]
+    assert many.top_token_ids == _reference_logprobs(x[3], 7, 65)[2]
+
+
+def test_penalty_kernel_gives_the_torch_paths_float32_values(monkeypatch):
+    """kvs_apply_penalties (only the seen tokens) against the PyTorch path over whole rows (the kernel
+    turned off): the same float32 values bit for bit, for rows of repetition, presence and frequency
+    penalties alone and together, repeated ids in prompt and output, a row without penalties between
+    them, positive, negative, zero and NaN logits; ids outside the vocabulary still raise. The float32
+    bits are compared as values (±0 alike)."""
+    from kvserve.attention import kv_quant_kernel
+
+    if kv_quant_kernel.load() is None:
+        pytest.skip("no C compiler: the kernel path is not built here")
+    g = torch.Generator().manual_seed(13)
+    vocab = 1000
+    logits = torch.randn(5, vocab, generator=g) * 3
+    logits[:, :50] = logits[:, :50].round()  # zeros among the seen tokens
+    logits[3, 7] = float("nan")
+    ids = lambda m: torch.randint(0, 60, (m,), generator=g).tolist()  # repeats
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(presence_penalty=0.7, frequency_penalty=-0.4),
+              SamplingParams(), SamplingParams(repetition_penalty=0.8, presence_penalty=-1.1, frequency_penalty=0.3),
+              SamplingParams(repetition_penalty=1.7, frequency_penalty=2.0)]
+    rows = [row(p, prompt=ids(40) + [7], output=ids(30) + [7]) for p in params]
+    fast = apply_penalties(logits.clone(), rows)
+    monkeypatch.setattr(kv_quant_kernel, "load", lambda: None)
+    slow = apply_penalties(logits.clone(), rows)
+    assert torch.equal(fast.isnan(), slow.isnan()) and fast.isnan().sum() == 1
+    # equal values; only a -0.0 logit the penalties do not touch differs in sign: PyTorch's l - (-0.0)
+    # over the whole row makes it +0.0
+    assert torch.equal(fast.nan_to_num(0.0), slow.nan_to_num(0.0))
+    assert not torch.equal(fast, logits)  # it did something
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError):
+        apply_penalties(logits.clone(), [row(SamplingParams(repetition_penalty=1.3), output=[vocab + 5])])

@@ -794,3 +794,150 @@ void kvs_prefetch_lines(const int64_t *addrs, int64_t n, int64_t bytes_each) {
         for (int64_t o = 0; o < bytes_each; o += 64) __builtin_prefetch(p + o, 0, 3);
     }
 }
+
+/* Logprobs of the raw logits for the sampler (kvserve/engine/sampler.py: token_logprobs) without its
+ * PyTorch passes over [rows, vocab] tensors (log_softmax, a comparison and a sum for the rank, topk and two
+ * sorts: ~0.3-0.4 ms for one 49,152-token row, a tenth of a SmolLM2 decode step). x: logits (code 3
+ * float32, 4 bfloat16; n entries a row); row i of the call is row row_ids[i] of x, its token token_ids[i].
+ * With m the row's largest value and lse = m + log(Σ_j e^(x_j - m)) (exp_nonpos, summed and logged in
+ * float64): lp[i] = (x_t - m) - (lse - m), as log_softmax forms it;
+ * rank[i] = 1 + the number of tokens whose logit is strictly greater than x_t (the logprobs' order is the
+ * logits' order; comparing logits also keeps apart two logits whose logprobs round to one float); and
+ * the k (<= 64) tokens of largest logit, ties to the lower id, in that order (logit descending, id
+ * ascending): top_ids[i·k + j], top_lp[i·k + j] as lp. status[i] = 0, or 1 for a row that holds a NaN or
+ * +inf, or only -inf (its outputs unset: the caller's PyTorch path decides those). Rows run in parallel. */
+static int token_logprobs_row(const void *x, int code, int64_t n, int64_t t, int k, float *lp, int64_t *rank,
+                              int64_t *top_ids, float *top_lp) {
+    float tv[64];  /* the k best so far: (value descending, id ascending) */
+    int64_t ti[64];
+    int have = 0;
+    float m = -INFINITY;
+    const float xt = sample_value(x, code, t);
+    int64_t greater = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float v;
+        int64_t i8 = 0;
+#ifdef __AVX2__
+        /* 8 at a time while none of them is a candidate for the top k, greater than x_t or not a number */
+        if (have == k && i + 8 <= n) {
+            const __m256 thr = _mm256_set1_ps(k ? tv[k - 1] : INFINITY), vt = _mm256_set1_ps(xt);
+            __m256 mv = _mm256_set1_ps(m);
+            int64_t cnt = 0;
+            for (i8 = i; i8 + 8 <= n; i8 += 8) {
+                const __m256 v8 = code == 3 ? _mm256_loadu_ps((const float *)x + i8) : bf16x8((const uint16_t *)x + i8);
+                const __m256 bad = _mm256_or_ps(_mm256_cmp_ps(v8, thr, _CMP_GT_OQ), _mm256_cmp_ps(v8, v8, _CMP_UNORD_Q));
+                if (_mm256_movemask_ps(bad)) break;
+                cnt += __builtin_popcount((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v8, vt, _CMP_GT_OQ)));
+                mv = _mm256_max_ps(mv, v8);
+            }
+            float m8[8];
+            _mm256_storeu_ps(m8, mv);
+            for (int l = 0; l < 8; l++) m = m8[l] > m ? m8[l] : m;
+            greater += cnt;
+            i = i8;
+            if (i >= n) break;
+        }
+#endif
+        (void)i8;
+        v = sample_value(x, code, i);
+        if (v != v || v == INFINITY) return 1;
+        if (v > m) m = v;
+        if (v > xt) greater++;
+        if (k && (have < k || v > tv[k - 1])) {  /* insert; an equal value keeps the lower id already there */
+            int j = have < k ? have++ : k - 1;
+            while (j > 0 && tv[j - 1] < v) {
+                tv[j] = tv[j - 1];
+                ti[j] = ti[j - 1];
+                j--;
+            }
+            tv[j] = v;
+            ti[j] = i;
+        }
+    }
+    if (m == -INFINITY || m == INFINITY) return 1;  /* +inf found 8 at a time where k is 0 */
+    double s = 0.0;
+    int64_t i = 0;
+#ifdef __AVX2__
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();  /* float64 sums: a float32 lane's sum of
+                                                                   * ~6,000 terms drifted by ~7e-6 */
+    const __m256 mm = _mm256_set1_ps(m);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v8 = code == 3 ? _mm256_loadu_ps((const float *)x + i) : bf16x8((const uint16_t *)x + i);
+        const __m256 e = exp_nonpos_avx2(_mm256_sub_ps(v8, mm));
+        lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    double a4[4];
+    _mm256_storeu_pd(a4, _mm256_add_pd(lo, hi));
+    for (int l = 0; l < 4; l++) s += a4[l];
+#endif
+    for (; i < n; i++) s += exp_nonpos(sample_value(x, code, i) - m);
+    const float lsm = (float)log(s);  /* lse - m, at least 0: the largest term is 1 */
+    volatile float d = xt - m;  /* volatile: two roundings in this order (-fassociative-math may not fold them) */
+    *lp = d - lsm;
+    *rank = greater + 1;
+    for (int j = 0; j < k; j++) {
+        top_ids[j] = ti[j];
+        d = tv[j] - m;
+        top_lp[j] = d - lsm;
+    }
+    return 0;
+}
+
+void kvs_token_logprobs(const void *x, int code, int64_t n, const int64_t *row_ids, int64_t count,
+                        const int64_t *token_ids, int k, float *lp, int64_t *rank, int64_t *top_ids, float *top_lp,
+                        int32_t *status) {
+    const size_t es = code == 3 ? sizeof(float) : sizeof(uint16_t);
+#pragma omp parallel for schedule(dynamic, 1) if (count > 1)
+    for (int64_t i = 0; i < count; i++)
+        status[i] = token_logprobs_row((const char *)x + es * (size_t)row_ids[i] * (size_t)n, code, n, token_ids[i],
+                                       k, lp + i, rank + i, top_ids + (int64_t)k * i, top_lp + (int64_t)k * i);
+}
+
+/* The sampler's penalties (kvserve/engine/sampler.py: apply_penalties) in place on logits [rows, n]
+ * float32, touching only the tokens a row has seen instead of PyTorch's passes over [rows, n] count and
+ * mask tensors (~0.2-0.4 ms for one 49,152-token row). Row r: its prompt ids prompt_ids[prompt_off[r] ..
+ * prompt_off[r + 1]) and output ids out_ids[out_off[r] .. out_off[r + 1]), each in [0, n) (the caller
+ * checks). Repetition penalty p = rep[r] (CTRL with the HF/vLLM sign rule) on every distinct id seen in
+ * either: l > 0 → l / p, else l · p (a NaN stays NaN); then presence/frequency on every distinct output id
+ * with c occurrences: l = (l − freq[r] · c) − pres[r], the two float32 roundings in PyTorch's order (for
+ * c = 0 its l − 0 − 0 leaves the value as it was, so untouched tokens agree; PyTorch may turn a -0.0 into
+ * +0.0 there). rep 1 and pres = freq = 0: nothing.
+ * Returns 0, or -1 where the count scratch could not be allocated (nothing changed). */
+int kvs_apply_penalties(float *logits, int64_t n, int64_t rows, const int64_t *prompt_ids,
+                        const int64_t *prompt_off, const int64_t *out_ids, const int64_t *out_off,
+                        const float *rep, const float *pres, const float *freq) {
+    int32_t *count = calloc((size_t)n, sizeof(int32_t));  /* zero again after each row: only its ids are set */
+    if (!count) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        float *l = logits + r * n;
+        const int64_t *po = prompt_ids + prompt_off[r], *oo = out_ids + out_off[r];
+        const int64_t np = prompt_off[r + 1] - prompt_off[r], no = out_off[r + 1] - out_off[r];
+        if (rep[r] != 1.f) {  /* count[id] = 1: already penalised */
+            const float p = rep[r];
+            for (int pass = 0; pass < 2; pass++)
+                for (int64_t j = 0, m = pass ? no : np; j < m; j++) {
+                    const int64_t id = pass ? oo[j] : po[j];
+                    if (count[id]) continue;
+                    count[id] = 1;
+                    volatile float v = l[id];  /* one rounding, never contracted */
+                    l[id] = v > 0.f ? v / p : v * p;
+                }
+            for (int64_t j = 0; j < np; j++) count[po[j]] = 0;
+            for (int64_t j = 0; j < no; j++) count[oo[j]] = 0;
+        }
+        if (pres[r] != 0.f || freq[r] != 0.f) {
+            for (int64_t j = 0; j < no; j++) count[oo[j]]++;
+            for (int64_t j = 0; j < no; j++) {
+                const int64_t id = oo[j];
+                if (!count[id]) continue;  /* done */
+                volatile float fc = freq[r] * (float)count[id];
+                volatile float v = l[id] - fc;
+                l[id] = v - pres[r];
+                count[id] = 0;
+            }
+        }
+    }
+    free(count);
+    return 0;
+}

@@ -60,40 +60,42 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab_size], got {tuple(logits.shape)}")
-        if all(plain_greedy(r) for r in rows):  # the common decode step: one argmax, nothing else
-            return SamplerOutput(token_ids=greedy_token_ids(logits), logprobs=[None] * len(rows))
+        if all(plain_greedy(r, logprobs=True) for r in rows):  # the common decode step: one argmax
+            ids = greedy_token_ids(logits)
+            return SamplerOutput(token_ids=ids, logprobs=compute_logprobs(logits, ids, rows))
         u = None
-        if all(plain_sampled(r) for r in rows) and sampling_kernel(logits) is not None:
-            # the common sampled decode step: no processors or logprobs, on the kernel
+        if all(plain_sampled(r, logprobs=True) for r in rows) and sampling_kernel(logits) is not None:
+            # the common sampled decode step: no processors, on the kernel
             u = draw_uniforms([r.generator for r in rows])
             ids = sample_plain_rows(logits, list(range(len(rows))), [r.params for r in rows], u)
             if min(ids) >= 0:  # -1: a NaN or all -inf row, decided below with the same u
-                return SamplerOutput(token_ids=ids, logprobs=[None] * len(rows))
-        raw = logits.float()
-        in_place = any(r.params.logit_bias or len(r.output_token_ids) < r.params.min_tokens for r in rows)
+                return SamplerOutput(token_ids=ids, logprobs=compute_logprobs(logits, ids, rows))
+        raw = logits.float()  # the processors below change their input: raw stays for the logprobs
+        in_place = any(r.params.processes_logits or len(r.output_token_ids) < r.params.min_tokens for r in rows)
         processed = apply_penalties(apply_min_tokens(apply_logit_bias(raw.clone() if in_place else raw, rows), rows),
                                     rows)
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=raw.device)
+        ids = [-1] * len(rows)  # a list, not a tensor: indexed tensor stores cost ~10-20 µs each
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if greedy:
-            token_ids[greedy] = torch.tensor(greedy_token_ids(processed[greedy]))  # first max = lowest id on ties
+        if greedy:  # first max = lowest id on ties
+            for i, t in zip(greedy, greedy_token_ids(processed if len(greedy) == len(rows) else processed[greedy])):
+                ids[i] = t
         if sampled:
             if u is None:
                 u = draw_uniforms([rows[i].generator for i in sampled])
             if sampling_kernel(processed) is not None:
                 drawn = sample_plain_rows(processed, sampled, [rows[i].params for i in sampled], u)
-                done = {j: t for j, t in enumerate(drawn) if t >= 0}  # -1: a NaN or all -inf row
-                if done:
-                    token_ids[[sampled[j] for j in done]] = torch.tensor(list(done.values()))
-                left = [j for j in range(len(sampled)) if j not in done]
+                for j, t in enumerate(drawn):
+                    if t >= 0:  # -1: a NaN or all -inf row, decided below
+                        ids[sampled[j]] = t
+                left = [j for j, t in enumerate(drawn) if t < 0]
                 sampled, u = [sampled[j] for j in left], u[left]
         if sampled:
             sub_rows = [rows[i] for i in sampled]
             probs = sampling_probs(processed if len(sampled) == len(rows) else processed[sampled],
                                    [r.params for r in sub_rows])
-            token_ids[sampled] = sample_from_probs(probs, [r.generator for r in sub_rows], u)
-        ids = token_ids.tolist()
+            for i, t in zip(sampled, sample_from_probs(probs, [r.generator for r in sub_rows], u).tolist()):
+                ids[i] = t
         return SamplerOutput(token_ids=ids, logprobs=compute_logprobs(raw, ids, rows))
 
 
@@ -123,19 +125,21 @@ def greedy_token_ids(logits: torch.Tensor) -> list[int]:
 _ARGMAX_CODES = {torch.float32: 3, torch.bfloat16: 4}
 
 
-def plain_sampled(row: SamplingRow) -> bool:
-    """Sampled (temperature, top-k, top-p, min-p) with no logprobs, processors or min_tokens left, so
-    ``kvs_sample_rows`` can draw from the raw logits."""
+def plain_sampled(row: SamplingRow, logprobs: bool = False) -> bool:
+    """Sampled (temperature, top-k, top-p, min-p) with no logprobs (``logprobs``: asking for them
+    allowed), processors or min_tokens left, so ``kvs_sample_rows`` can draw from the raw logits."""
     p = row.params
-    return (not p.greedy and p.logprobs is None and not p.processes_logits
+    return (not p.greedy and (logprobs or p.logprobs is None) and not p.processes_logits
             and len(row.output_token_ids) >= p.min_tokens)
 
 
-def plain_greedy(row: SamplingRow) -> bool:
-    """Greedy with nothing that changes the logits or asks for logprobs: the argmax of the raw logits
-    (an exact cast to float32 keeps the argmax and its lowest-id tie break)."""
+def plain_greedy(row: SamplingRow, logprobs: bool = False) -> bool:
+    """Greedy with nothing that changes the logits or asks for logprobs (``logprobs``: asking for them
+    allowed): the argmax of the raw logits (an exact cast to float32 keeps the argmax and its lowest-id
+    tie break)."""
     p = row.params
-    return p.greedy and p.logprobs is None and not p.processes_logits and len(row.output_token_ids) >= p.min_tokens
+    return (p.greedy and (logprobs or p.logprobs is None) and not p.processes_logits
+            and len(row.output_token_ids) >= p.min_tokens)
 
 
 # ---------------------------------------------------------------------------------------- processors
@@ -178,7 +182,10 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     Presence/frequency (OpenAI API): for tokens seen IN THE OUTPUT ONLY, with ``count`` occurrences,
     ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
 
-    ``logits``: ``[num_rows, vocab]`` float32, modified in place and returned.
+    ``logits``: ``[num_rows, vocab]`` float32, modified in place and returned (on the CPU, by the kernel's
+    ``kvs_apply_penalties``, which touches only the tokens each row has seen: the same float32
+    operations; elsewhere, or for ids outside the vocabulary, by PyTorch over the whole rows, which may
+    return a new tensor instead).
     """
     rep = [r.params.repetition_penalty for r in rows]
     pres = [r.params.presence_penalty for r in rows]
@@ -186,6 +193,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     use_rep = any(p != 1.0 for p in rep)
     use_pf = any(p != 0.0 for p in pres) or any(f != 0.0 for f in freq)
     if not (use_rep or use_pf):
+        return logits
+    finfo = torch.finfo(torch.float32)  # a penalty that rounds to 0 or inf would make 0 * inf = NaN
+    if _kernel_penalties(logits, rows, [min(max(p, finfo.tiny), finfo.max) for p in rep], pres, freq):
         return logits
     device, vocab_size = logits.device, logits.shape[1]
     output_counts = token_counts([r.output_token_ids for r in rows], vocab_size, device)
@@ -203,6 +213,29 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         counts = output_counts.to(logits.dtype)
         logits = logits - freq_t * counts - pres_t * (counts > 0).to(logits.dtype)
     return logits
+
+
+def _kernel_penalties(logits: torch.Tensor, rows: list[SamplingRow], rep: list[float], pres: list[float],
+                      freq: list[float]) -> bool:
+    """apply_penalties by ``kvs_apply_penalties`` in place; False (nothing changed) where it does not run:
+    not a contiguous float32 CPU tensor, no kernel, or an id outside [0, vocab)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
+        return False
+    dll = kv_quant_kernel.load()
+    if dll is None:
+        return False
+    n = logits.shape[1]
+    ids = [np.asarray(r.prompt_token_ids, dtype=np.int64) for r in rows]
+    outs = [np.asarray(r.output_token_ids, dtype=np.int64) for r in rows]
+    if any(a.size and (a.min() < 0 or a.max() >= n) for a in ids + outs):
+        return False  # PyTorch's scatter raises on them, as before
+    prompt_off = np.cumsum([0] + [a.size for a in ids], dtype=np.int64)
+    out_off = np.cumsum([0] + [a.size for a in outs], dtype=np.int64)
+    flat_p = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+    flat_o = np.concatenate(outs) if outs else np.zeros(0, dtype=np.int64)
+    f32 = [np.asarray(v, dtype=np.float32) for v in (rep, pres, freq)]
+    return dll.kvs_apply_penalties(logits.data_ptr(), n, logits.shape[0], flat_p.ctypes.data, prompt_off.ctypes.data,
+                                   flat_o.ctypes.data, out_off.ctypes.data, *(a.ctypes.data for a in f32)) == 0
 
 
 def token_counts(id_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -437,16 +470,49 @@ def compute_logprobs(raw_logits: torch.Tensor, token_ids: list[int],
     result: list[TokenLogprobs | None] = [None] * len(rows)
     if not wanted:
         return result
-    found = token_logprobs(raw_logits[wanted], [token_ids[i] for i in wanted],
-                           [rows[i].params.logprobs for i in wanted])
+    found = token_logprobs(raw_logits, [token_ids[i] for i in wanted], [rows[i].params.logprobs for i in wanted],
+                           wanted)
     for i, lp in zip(wanted, found):
         result[i] = lp
     return result
 
 
-def token_logprobs(raw_logits: torch.Tensor, token_ids: list[int], ks: list[int]) -> list[TokenLogprobs]:
-    """Row i: logprob and rank of ``token_ids[i]`` under ``log_softmax(raw_logits[i])`` and the top
-    ``ks[i]`` alternatives (see :func:`compute_logprobs`). raw_logits: [n, vocab] float32."""
+KERNEL_MAX_TOP = 64  # layer_kernel.c's kvs_token_logprobs keeps at most this many alternatives a row
+
+
+def token_logprobs(raw_logits: torch.Tensor, token_ids: list[int], ks: list[int],
+                   rows: list[int] | None = None) -> list[TokenLogprobs]:
+    """Row i: logprob and rank of ``token_ids[i]`` under ``log_softmax(raw_logits[rows[i]])`` and the top
+    ``ks[i]`` alternatives (see :func:`compute_logprobs`); ``rows`` None: row i of ``raw_logits``.
+    raw_logits: [n, vocab] float32 or bfloat16. On the CPU the kernel's ``kvs_token_logprobs`` (two passes
+    over a row; its logprobs within float32 rounding of log_softmax's, its ranks and alternatives those of
+    the logits' order), rows it leaves (a NaN or +inf, or only -inf) and other devices by PyTorch."""
+    rows = list(range(len(token_ids))) if rows is None else rows
+    k = max(ks, default=0)
+    dll = sampling_kernel(raw_logits)
+    if dll is None or k > KERNEL_MAX_TOP or not token_ids:
+        return _torch_token_logprobs(raw_logits[rows], token_ids, ks)
+    x = raw_logits.resolve_neg().contiguous()
+    n = len(token_ids)
+    row_ids, ids = torch.tensor(rows, dtype=torch.int64), torch.tensor(token_ids, dtype=torch.int64)
+    lp, rank, status = torch.empty(n), torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int32)
+    top_ids, top_lp = torch.empty(n, k, dtype=torch.int64), torch.empty(n, k)
+    dll.kvs_token_logprobs(x.data_ptr(), _ARGMAX_CODES[x.dtype], x.shape[1], row_ids.data_ptr(), n, ids.data_ptr(),
+                           k, lp.data_ptr(), rank.data_ptr(), top_ids.data_ptr(), top_lp.data_ptr(),
+                           status.data_ptr())
+    lp_list, rank_list, ids_list, top_lp_list = lp.tolist(), rank.tolist(), top_ids.tolist(), top_lp.tolist()
+    out = [TokenLogprobs(token_id=t, logprob=lp_list[j], rank=rank_list[j], top_token_ids=ids_list[j][:kj],
+                         top_logprobs=top_lp_list[j][:kj]) for j, (t, kj) in enumerate(zip(token_ids, ks))]
+    left = [j for j, st in enumerate(status.tolist()) if st]
+    if left:
+        for j, found in zip(left, _torch_token_logprobs(raw_logits[[rows[j] for j in left]],
+                                                        [token_ids[j] for j in left], [ks[j] for j in left])):
+            out[j] = found
+    return out
+
+
+def _torch_token_logprobs(raw_logits: torch.Tensor, token_ids: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """token_logprobs by PyTorch ops on every row of raw_logits [n, vocab]."""
     logprobs = torch.log_softmax(raw_logits.float(), dim=-1)  # [n, vocab]
     chosen = torch.tensor(token_ids, device=logprobs.device).unsqueeze(1)
     chosen_lp = logprobs.gather(1, chosen)  # [n, 1]
