@@ -619,6 +619,13 @@ def test_logprobs_kernel_leaves_nan_inf_and_all_minus_inf_rows_to_torch():
     assert (got[3].rank, got[3].top_token_ids) == (ref_rank, ref_ids)
     many = token_logprobs(x[3:], [7], [65])[0]
     assert many.top_token_ids == _reference_logprobs(x[3], 7, 65)[2]
+    # found by attacking it: more alternatives than the row has tokens returned stack garbage as ids, and
+    # ids outside the row read past it (a segfault for 10**12); both take PyTorch's path, which raises
+    small = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0]])
+    for ids, rows, k in (([0], [0], 6), ([5], [0], 2), ([-1], [0], 2), ([10 ** 12], [0], 2), ([0], [1], 2)):
+        with pytest.raises((RuntimeError, IndexError)):
+            token_logprobs(small, ids, [k], rows)
+    assert token_logprobs(small, [0], [5])[0].top_token_ids == [1, 2, 0, 3, 4]  # k = n: the kernel
 
 
 def test_penalty_kernel_gives_the_torch_paths_float32_values(monkeypatch):

@@ -876,7 +876,7 @@ static int token_logprobs_row(const void *x, int code, int64_t n, int64_t t, int
     volatile float d = xt - m;  /* volatile: two roundings in this order (-fassociative-math may not fold them) */
     *lp = d - lsm;
     *rank = greater + 1;
-    for (int j = 0; j < k; j++) {
+    for (int j = 0; j < have; j++) {  /* have = k unless the row is shorter (the caller asks k <= n) */
         top_ids[j] = ti[j];
         d = tv[j] - m;
         top_lp[j] = d - lsm;

@@ -464,7 +464,11 @@ def compute_logprobs(raw_logits: torch.Tensor, token_ids: list[int],
     For each row with ``params.logprobs = k`` (may be 0): the sampled token's logprob; its ``rank`` =
     1 + the number of tokens with a STRICTLY greater logprob (tied tokens share the better rank, so
     the argmax has rank 1); and the top ``k`` tokens sorted by descending logprob (ties: lower id
-    first among those selected). ``None`` for rows with ``params.logprobs is None``.
+    first among those selected). ``None`` for rows with ``params.logprobs is None``. On the CPU kernel
+    path (``token_logprobs``) "greater" and the order are those of the logits, which the logprobs
+    share except where two logits' logprobs round to one float32 value (then the greater logit counts
+    and comes first, though both show the same logprob); among exactly tied logits the lowest ids are
+    the ones selected.
     """
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     result: list[TokenLogprobs | None] = [None] * len(rows)
@@ -490,8 +494,10 @@ def token_logprobs(raw_logits: torch.Tensor, token_ids: list[int], ks: list[int]
     rows = list(range(len(token_ids))) if rows is None else rows
     k = max(ks, default=0)
     dll = sampling_kernel(raw_logits)
-    if dll is None or k > KERNEL_MAX_TOP or not token_ids:
-        return _torch_token_logprobs(raw_logits[rows], token_ids, ks)
+    num_rows, vocab = raw_logits.shape
+    if (dll is None or k > min(KERNEL_MAX_TOP, vocab) or not token_ids
+            or not (0 <= min(token_ids) and max(token_ids) < vocab and 0 <= min(rows) and max(rows) < num_rows)):
+        return _torch_token_logprobs(raw_logits[rows], token_ids, ks)  # which raises on ids or k out of range
     x = raw_logits.resolve_neg().contiguous()
     n = len(token_ids)
     row_ids, ids = torch.tensor(rows, dtype=torch.int64), torch.tensor(token_ids, dtype=torch.int64)
