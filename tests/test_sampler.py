@@ -470,6 +470,35 @@ def test_sampling_kernel_keeps_the_reference_set_at_ties(top_k, top_p, min_p):
         assert {g for g in got} <= {i for i, q in enumerate(probs) if q > 0}, r
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampling_kernel_cuts_a_broad_nucleus_inside_a_tie_of_signed_zeros(dtype):
+    """A nucleus of hundreds of tokens (the kernel's radix sort, not its short-list qsort) whose top-p edge
+    falls halfway through 1,200 tokens tied at zero, every other one -0.0, between positive and negative
+    logits: the kernel keeps the lower ids of the tie whatever the zero's sign, as the plain-Python
+    reference (which sorts by (-logit, id)), and draws its tokens across 400 values of u."""
+    from kvserve.engine.sampler import sample_plain_rows
+    _kernel_or_skip()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randperm(3000, generator=g)
+    logits = -1.0 - 2.0 * torch.rand(3000, generator=g)  # the tail: (-3, -1]
+    logits[ids[:200]] = 2.0
+    zeros = ids[200:1400].sort().values
+    logits[zeros] = torch.tensor([0.0, -0.0]).repeat(600)
+    assert (torch.signbit(logits) & (logits == 0)).sum() == 600  # the premise: half the tie is -0.0
+    logits = logits.to(dtype)
+    mass = torch.exp(logits.double())
+    top_p = float((mass[ids[:200]].sum() + 600.5) / mass.sum())  # the edge: mid-token, half through the tie
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    probs = reference_probs(logits.float().tolist(), 1.0, 0, top_p, 0.0)
+    kept = {i for i, q in enumerate(probs) if q > 0}
+    assert kept == set(ids[:200].tolist()) | set(zeros[:601].tolist())  # the reference's own cut
+    us = (torch.arange(400, dtype=torch.float64) + 0.5) / 400
+    got = sample_plain_rows(logits[None], [0] * len(us), [params] * len(us), us)
+    want = [inverse_cdf(probs, float(x)) for x in us]
+    assert [t for t, (w, m) in zip(got, want) if m > 1e-6] == [w for w, m in want if m > 1e-6]
+    assert set(got) <= kept and len(set(got) & set(zeros[300:601].tolist())) > 20
+
+
 def test_sampler_draws_the_same_tokens_with_and_without_the_kernel(monkeypatch):
     """Seeded and unseeded temperature, top-k, top-p and min-p rows (one with a penalty: the processed
     logits) on bfloat16 logits: the Sampler on the kernel gives the tokens of its PyTorch path
