@@ -6,7 +6,7 @@ own tokenizer (HF ``transformers``). ``stream`` yields outputs with text deltas 
 from __future__ import annotations
 
 import itertools
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes, SpecDecodeConfig
 from kvserve.engine.llm_engine import LLMEngine
@@ -16,6 +16,34 @@ from kvserve.sampling_params import InvalidRequestError, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]
+
+
+# apply_chat_template's own parameters and the variables it sets for the template (transformers 4.4x-5.x):
+# a chat_template_kwargs entry of one of these names would clash with kvserve's call or replace the
+# conversation itself, so it is refused
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "compiled_template"})
+
+
+def check_chat_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``kwargs`` as a dict of template variables ({} for None); InvalidRequestError naming
+    ``chat_template_kwargs`` for a non-mapping, a non-string key or a name in RESERVED_TEMPLATE_KWARGS."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise InvalidRequestError(f"chat_template_kwargs must be an object of template variables, got "
+                                  f"{type(kwargs).__name__}", "chat_template_kwargs")
+    for key in kwargs:
+        if not isinstance(key, str):
+            raise InvalidRequestError(f"chat_template_kwargs keys must be strings, got {key!r}", "chat_template_kwargs")
+        if key in RESERVED_TEMPLATE_KWARGS:
+            hint = (f"; use the request's own `{key}` field" if key in ("add_generation_prompt", "continue_final_message")
+                    else "")
+            raise InvalidRequestError(f"chat_template_kwargs must not set `{key}`: it is one of the chat template "
+                                      f"call's own arguments or variables{hint}", "chat_template_kwargs")
+    return dict(kwargs)
 
 
 class LLM:
@@ -72,16 +100,21 @@ class LLM:
                                   "prompt")
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool | None = None,
-                            continue_final_message: bool = False) -> str:
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
         """Render messages with the model's chat template (text; tokenized without adding a BOS). Role
         ``developer`` (OpenAI's newer name for it) is rendered as ``system``, as the server does.
         ``add_generation_prompt`` (open the assistant's turn) defaults to ``not continue_final_message``;
         both set true raises InvalidRequestError naming ``continue_final_message``, as the server's 400 and
-        Hugging Face's apply_chat_template do."""
+        Hugging Face's apply_chat_template do. ``chat_template_kwargs``: extra variables for the template
+        (e.g. ``{"enable_thinking": False}`` for Qwen3's), as vLLM's field of that name; names that are
+        apply_chat_template's own parameters or the variables it sets (``messages``, ``tools``, ...) raise
+        InvalidRequestError naming ``chat_template_kwargs``."""
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to true: "
                                       "the first continues the last message, the second starts a new one",
                                       "continue_final_message")
+        extra = check_chat_template_kwargs(chat_template_kwargs)
         if not messages:
             raise InvalidRequestError("messages must contain at least one message", "messages")
         for i, m in enumerate(messages):
@@ -95,7 +128,7 @@ class LLM:
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=not continue_final_message if add_generation_prompt is None
-            else add_generation_prompt, continue_final_message=continue_final_message)
+            else add_generation_prompt, continue_final_message=continue_final_message, **extra)
 
     def encode_chat(self, messages: Sequence[Message], **kw) -> tuple[str, list[int]]:
         text = self.apply_chat_template(messages, **kw)
@@ -124,14 +157,17 @@ class LLM:
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             add_generation_prompt: bool | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
-        """Like ``generate`` for conversations (one list of messages, or a list of them); the two flags as in
-        ``apply_chat_template`` (InvalidRequestError where both are true)."""
+             add_generation_prompt: bool | None = None, continue_final_message: bool = False,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+        """Like ``generate`` for conversations (one list of messages, or a list of them); the two flags and
+        ``chat_template_kwargs`` as in ``apply_chat_template`` (InvalidRequestError where both flags are
+        true)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidRequestError("messages must be a non-empty list of messages (or of conversations)",
                                       "messages")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        kw = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        kw = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+              "chat_template_kwargs": chat_template_kwargs}
         return self._run([(c, kw) for c in convs], sampling_params, chat=True)
 
     def stream(self, prompt: Prompt | Sequence[Message], sampling_params: SamplingParams | None = None,

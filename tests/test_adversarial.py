@@ -117,6 +117,31 @@ def test_chat_renders_developer_as_system(tiny):
     assert "developer" not in dev[0]
 
 
+@pytest.mark.parametrize("kwargs", [[("a", 1)], {"messages": []}, {"tokenize": True}, {"add_generation_prompt": 0},
+                                    {1: "x"}])
+def test_chat_template_kwargs_that_clash_name_the_field(tiny, kwargs):
+    """Not a mapping, a non-string key, or one of apply_chat_template's own arguments or variables: an
+    InvalidRequestError naming chat_template_kwargs before anything is queued."""
+    with pytest.raises(InvalidRequestError) as e:
+        tiny.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template_kwargs=kwargs)
+    assert e.value.param == "chat_template_kwargs"
+    assert_idle(tiny)
+
+
+def test_chat_template_kwargs_reach_the_template_in_python(tiny, monkeypatch):
+    """LLM.chat and apply_chat_template pass chat_template_kwargs to the template as Hugging Face's
+    apply_chat_template does (a template that reads one, put on the tokenizer for this test)."""
+    from tests.test_server_validation import GREETING_TEMPLATE
+    monkeypatch.setattr(tiny.tokenizer, "chat_template", GREETING_TEMPLATE)
+    conv = [{"role": "user", "content": "hi"}]
+    want = tiny.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, greeting="yo")
+    assert want.endswith("[yo]<assistant>")  # the oracle's premise
+    assert tiny.apply_chat_template(conv, chat_template_kwargs={"greeting": "yo"}) == want
+    out = tiny.chat(conv, GREEDY, chat_template_kwargs={"greeting": "yo"})[0]
+    assert out.prompt == want and out.prompt_token_ids == tiny.tokenizer.encode(want, add_special_tokens=False)
+    assert "[yo]" not in tiny.apply_chat_template(conv)
+
+
 @pytest.mark.parametrize("field,value", [
     ("ignore_eos", "no"), ("ignore_eos", None), ("include_stop_str_in_output", 1),
     ("skip_special_tokens", "false"), ("stop", 123), ("stop", {"a": 1}), ("stop_token_ids", 5),

@@ -226,6 +226,18 @@ CASES += [
                                                           "continue_final_message": True,
                                                           "add_generation_prompt": True},
          param="continue_final_message", needles=("add_generation_prompt",)),
+    # chat_template_kwargs (vLLM's field: variables for the model's template) and a request's own template
+    Case("template_kwargs_list", CHAT, {"chat_template_kwargs": [1]}, param="chat_template_kwargs"),
+    Case("template_kwargs_messages", CHAT, {"chat_template_kwargs": {"messages": []}}, param="chat_template_kwargs",
+         needles=("messages",)),
+    Case("template_kwargs_generation_prompt", CHAT, {"chat_template_kwargs": {"add_generation_prompt": False}},
+         param="chat_template_kwargs", needles=("add_generation_prompt",)),
+    Case("tokenize_template_kwargs_tokenize", TOK, {"prompt": None, "messages": user(),
+                                                    "chat_template_kwargs": {"tokenize": True}},
+         param="chat_template_kwargs", needles=("tokenize",)),
+    Case("chat_template", CHAT, {"chat_template": "{{ 'x' }}"}, param="chat_template"),
+    Case("tokenize_chat_template", TOK, {"prompt": None, "messages": user(), "chat_template": "{{ 'x' }}"},
+         param="chat_template"),
     # /tokenize, /detokenize
     # with messages, /tokenize is the prompt chat would prefill, and chat refuses tools (vLLM renders them
     # into the prompt): it ignored them and answered 200
@@ -375,6 +387,28 @@ def test_continue_final_message_alone_is_accepted(client):
         client.post(TOK, json={"messages": sys_}).json()["tokens"]
     # the no-op values of chat's unsupported fields pass here as there
     assert client.post(TOK, json={"messages": conv, "tools": [], "tool_choice": "none"}).json()["count"] == opened
+
+
+GREETING_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                     "{% if greeting %}[{{ greeting }}]{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template(client, tiny_server, monkeypatch):
+    """chat_template_kwargs (vLLM's field) are variables of the model's template: /tokenize and chat prefill
+    what Hugging Face's apply_chat_template renders with the same variables, and without them the
+    template's default branch (a template that reads one, put on the server's tokenizer for this test)."""
+    tok = tiny_server.engine.tokenizer
+    monkeypatch.setattr(tok, "chat_template", GREETING_TEMPLATE)
+    conv = user()
+    for kwargs in ({"greeting": "good evening, dear listeners"}, None):
+        want_text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **(kwargs or {}))
+        assert ("good evening" in want_text) == (kwargs is not None)  # the oracle's own premise
+        body = {"messages": conv, **({"chat_template_kwargs": kwargs} if kwargs else {})}
+        got = client.post(TOK, json=body).json()
+        assert got["tokens"] == tok.encode(want_text, add_special_tokens=False)
+        r = client.post(CHAT, json={**body, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == got["count"]
 
 
 @pytest.mark.parametrize("content", ["", None, []], ids=["empty_string", "null", "empty_parts"])

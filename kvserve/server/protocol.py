@@ -3,7 +3,7 @@
 API and HTTP give the same messages."""
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -165,10 +165,16 @@ def chat_dicts(messages: list[ChatMessage]) -> list[dict]:
 def template_flags(body: "ChatCompletionRequest | TokenizeRequest") -> dict:
     """add_generation_prompt and continue_final_message of a chat or /tokenize request, for
     ``LLM.encode_chat``. Both set true in the request is an error, as in vLLM (its
-    check_generation_prompt); add_generation_prompt left at its default true gives way to continuing."""
+    check_generation_prompt); add_generation_prompt left at its default true gives way to continuing.
+    A request's own ``chat_template`` is refused (a 400 naming it): vLLM refuses it too unless started
+    with --trust-request-chat-template, and kvserve renders only the model's template."""
+    if (body.model_extra or {}).get("chat_template") is not None:
+        raise InvalidRequestError("chat_template is not supported: kvserve renders the model's own chat template "
+                                  "(chat_template_kwargs passes variables to it)", "chat_template")
     explicit = "add_generation_prompt" in body.model_fields_set  # LLM.encode_chat refuses both true
     return {"add_generation_prompt": body.add_generation_prompt if explicit else None,
-            "continue_final_message": body.continue_final_message}
+            "continue_final_message": body.continue_final_message,
+            "chat_template_kwargs": body.chat_template_kwargs}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -179,6 +185,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -201,6 +208,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Strict):
