@@ -124,6 +124,7 @@ def load() -> ctypes.CDLL | None:
     dll.kvs_argmax_rows.argtypes = [p, i32, i64, i64, p]
     dll.kvs_prefetch_lines.argtypes = [p, i64, i64]
     dll.kvs_sample_rows.argtypes = [p, i32, i64, p, i64, p, p, p, p, p, p]
+    dll.kvs_sample_rows_excluding.argtypes = [p, i32, i64, p, i64, p, p, p, p, p, p, p, p]
     dll.kvs_token_logprobs.argtypes = [p, i32, i64, p, i64, p, i32, p, p, p, p, p]
     dll.kvs_apply_penalties.argtypes = [p, i64, i64, p, p, p, p, p, p, p]
     dll.kvs_apply_penalties.restype = i32
@@ -146,7 +147,7 @@ def load() -> ctypes.CDLL | None:
     dll.prefill_attention_supported = functools.cache(lambda d: bool(dll.kvs_prefill_attention_supported(d)))
     for f in (dll.kvs_rope_write_kv, dll.kvs_add_rms_norm, dll.kvs_silu_mul, dll.kvs_decode_attention,
               dll.kvs_int4_linear, dll.kvs_dense_linear, dll.kvs_argmax_rows, dll.kvs_prefetch_lines,
-              dll.kvs_sample_rows, dll.kvs_token_logprobs):
+              dll.kvs_sample_rows, dll.kvs_sample_rows_excluding, dll.kvs_token_logprobs):
         f.restype = None
     dll.kvs_prefill_attention.restype = i32  # 0; -1: a buffer could not be allocated; -2: arguments refused
     dll.kvs_llama_decode.restype = i32  # -1: a token id outside the embedding, nothing run

@@ -778,8 +778,12 @@ static int sample_cut(const void *x, int code, int64_t n, float t, float m, int6
     return 0;
 }
 
+/* One row's draw (kvs_sample_rows); exclude >= 0: that token's w is zeroed after the cut and min-p (the
+ * draw is from the rest of the kept set), and *pq (pq not NULL) = its probability before that, w over the
+ * kept mass including it (NaN where the row returns -1 before its weights). */
 static int64_t sample_row(const void *x, int code, int64_t n, float t, int64_t top_k, float top_p, float min_p,
-                          double u, double *cdf) {
+                          double u, double *cdf, int64_t exclude, double *pq) {
+    if (pq) *pq = NAN;
     /* max z = the clamped (max x) / t: a division by t > 0 and the clamp keep the order */
     float mx = -INFINITY;
     int nan = 0;
@@ -809,21 +813,28 @@ static int64_t sample_row(const void *x, int code, int64_t n, float t, int64_t t
     if (((top_k > 0 && top_k < n) || top_p < 1.f) && sample_cut(x, code, n, t, m, top_k, top_p, &vcut, &icut))
         return -1;
     const int64_t nb = (n + KVS_CDF_BLOCK - 1) / KVS_CDF_BLOCK;
-    float w[KVS_CDF_BLOCK];
+    float w[KVS_CDF_BLOCK], wx = 0.f;  /* wx: the excluded token's w */
     double c = 0.0;
     for (int64_t k = 0; k < nb; k++) {
         const int64_t b0 = k * KVS_CDF_BLOCK, e = b0 + KVS_CDF_BLOCK < n ? b0 + KVS_CDF_BLOCK : n;
         sample_weights(x, code, b0, e, t, m, min_p, vcut, icut, w, NULL);
+        if (exclude >= b0 && exclude < e) {
+            wx = w[exclude - b0];
+            w[exclude - b0] = 0.f;
+        }
         double s = 0.0;
         for (int64_t j = 0; j < e - b0; j++) s += (double)w[j];  /* vectorized (-fassociative-math) */
         cdf[k] = c += s;
     }
+    if (pq) *pq = (double)wx / (cdf[nb - 1] + (double)wx);  /* the largest kept w is 1: never 0 / 0 */
+    if (!(cdf[nb - 1] > 0.0)) return -1;  /* only the excluded token was kept */
     const double target = u * cdf[nb - 1];
     int64_t k = 0;
     while (k < nb - 1 && !(cdf[k] > target)) k++;
     double run = k ? cdf[k - 1] : 0.0;
     const int64_t b0 = k * KVS_CDF_BLOCK, e = b0 + KVS_CDF_BLOCK < n ? b0 + KVS_CDF_BLOCK : n;
     sample_weights(x, code, b0, e, t, m, min_p, vcut, icut, w, NULL);
+    if (exclude >= b0 && exclude < e) w[exclude - b0] = 0.f;
     int64_t pos = KVS_CDF_BLOCK, first = -1, last = -1;
     for (int64_t j = 0; j < e - b0; j++) {
         if (w[j] == 0.f) continue;
@@ -837,12 +848,18 @@ static int64_t sample_row(const void *x, int code, int64_t n, float t, int64_t t
     return b0 + pos < n - 1 ? b0 + pos : n - 1;
 }
 
-static int64_t sample_one(const void *x, int code, int64_t n, float t, int64_t top_k, float top_p, float min_p,
-                          double u) {
+static int64_t sample_one_ex(const void *x, int code, int64_t n, float t, int64_t top_k, float top_p, float min_p,
+                             double u, int64_t exclude, double *pq) {
     double *cdf = malloc(sizeof(double) * (size_t)((n + KVS_CDF_BLOCK - 1) / KVS_CDF_BLOCK));
-    const int64_t tok = cdf ? sample_row(x, code, n, t, top_k, top_p, min_p, u, cdf) : -1;
+    if (!cdf && pq) *pq = NAN;
+    const int64_t tok = cdf ? sample_row(x, code, n, t, top_k, top_p, min_p, u, cdf, exclude, pq) : -1;
     free(cdf);
     return tok;
+}
+
+static int64_t sample_one(const void *x, int code, int64_t n, float t, int64_t top_k, float top_p, float min_p,
+                          double u) {
+    return sample_one_ex(x, code, n, t, top_k, top_p, min_p, u, -1, NULL);
 }
 
 void kvs_sample_rows(const void *x, int code, int64_t n, const int64_t *row_ids, int64_t count,
@@ -853,6 +870,25 @@ void kvs_sample_rows(const void *x, int code, int64_t n, const int64_t *row_ids,
     for (int64_t i = 0; i < count; i++)
         out[i] = sample_one((const char *)x + es * (size_t)row_ids[i] * (size_t)n, code, n, temperature[i], top_k[i],
                             top_p[i], min_p[i], u[i]);
+}
+
+/* kvs_sample_rows for speculative decoding's rejection sampling (kvserve/spec_decode/verify.py), each row
+ * with a proposed token exclude[i] (-1: none; ids outside [0, n) are none): pq[i] = that token's
+ * probability under the row's settings (w over the kept mass, float64; NaN where out[i] would be -1 for
+ * the row itself), and out[i] the draw of the same row with it taken out of the kept set (the residual
+ * max(0, p - onehot(exclude)) renormalised; -1, as kvs_sample_rows's, also where the kept set held only
+ * that token). One pass over each row gives both. */
+void kvs_sample_rows_excluding(const void *x, int code, int64_t n, const int64_t *row_ids, int64_t count,
+                               const float *temperature, const int32_t *top_k, const float *top_p,
+                               const float *min_p, const double *u, const int64_t *exclude, int64_t *out,
+                               double *pq) {
+    const size_t es = code == 3 ? sizeof(float) : sizeof(uint16_t);
+#pragma omp parallel for schedule(dynamic, 1) if (count > 1)
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t ex = exclude[i] >= 0 && exclude[i] < n ? exclude[i] : -1;
+        out[i] = sample_one_ex((const char *)x + es * (size_t)row_ids[i] * (size_t)n, code, n, temperature[i],
+                               top_k[i], top_p[i], min_p[i], u[i], ex, &pq[i]);
+    }
 }
 
 /* Ask for the bytes_each bytes from each of the n addresses into the caches (prefetcht0; a prefetch never

@@ -411,6 +411,30 @@ def sample_plain_rows(logits: torch.Tensor, row_ids: list[int], params: list[Sam
     return out.tolist()
 
 
+def sample_rows_excluding(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor,
+                          exclude: list[int]) -> tuple[list[int], list[float]]:
+    """Speculative decoding's rejection sampling on the kernel (``sampling_kernel(logits)`` must not be
+    None): for each row r of ``logits`` [rows, vocab] (float32 or bfloat16) with ``params``' temperature,
+    top-k, top-p and min-p, the probability of token ``exclude[r]`` (float64; -1 or an id outside the
+    vocabulary: none, probability 0) as :func:`sampling_probs` gives it up to rounding, and the draw for
+    ``u[r]`` (float64 [rows]) from the same probabilities with that token taken out, renormalised (the
+    residual max(0, p - onehot) of a one-hot proposal). Returns (ids, probabilities): id -1 for a row
+    holding a NaN or only -inf, or whose kept set was that token alone; probability NaN for the first
+    kind."""
+    x = logits.resolve_neg().contiguous()
+    n = x.shape[0]
+    ids = np.arange(n, dtype=np.int64)
+    temperature, top_k, top_p, min_p = sampling_arrays([params] * n)
+    uu = np.ascontiguousarray(u.numpy(), dtype=np.float64)
+    ex = np.asarray(exclude, dtype=np.int64)
+    out, pq = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.float64)
+    sampling_kernel(x).kvs_sample_rows_excluding(
+        x.data_ptr(), _ARGMAX_CODES[x.dtype], x.shape[1], ids.ctypes.data, n, temperature.ctypes.data,
+        top_k.ctypes.data, top_p.ctypes.data, min_p.ctypes.data, uu.ctypes.data, ex.ctypes.data, out.ctypes.data,
+        pq.ctypes.data)
+    return out.tolist(), pq.tolist()
+
+
 def sampling_arrays(params: list[SamplingParams | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``kvs_sample_rows``'s per-row settings: temperature (float32; 0 for None, a greedy row), top-k (int32,
     0: off), top-p (float32), min-p (float32)."""

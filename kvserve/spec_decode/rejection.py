@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.engine.sampler import greedy_token_ids
+from kvserve.engine.sampler import greedy_token_ids, sample_rows_excluding
 
 
 def verify_greedy(target_logits: torch.Tensor, proposal: list[int]) -> list[int]:
@@ -46,6 +46,34 @@ def verify_sampled(target_probs: torch.Tensor, proposal: list[int], draft_probs:
         out.append(int(torch.multinomial(dist, 1, generator=generator)))
         return out
     out.append(int(torch.multinomial(target_probs[len(proposal)], 1, generator=generator)))
+    return out
+
+
+def verify_sampled_logits(logits: torch.Tensor, proposal: list[int], params,
+                          generator: torch.Generator | None) -> list[int] | None:
+    """:func:`verify_sampled` for a deterministic proposer (one-hot q) on the sampling kernel, from the raw
+    logits [k + 1, vocab] (float32 or bfloat16) and ``params``' temperature, top-k, top-p and min-p: one
+    pass over each row gives p_i(x_i) and a draw from the residual (p_i without x_i), instead of the
+    PyTorch sampling_probs over all k + 1 rows (2.4-7 ms for 3 proposals over SmolLM2's 49,152 tokens,
+    as much as a decode step). The u's come from ``generator`` (None: torch's global RNG), k for the
+    acceptance tests and k + 1 for the draws, whatever is accepted. Returns None where the kernel left a
+    row to PyTorch (a NaN or only -inf) and that row's draw was needed."""
+    k = len(proposal)
+    u_accept = torch.rand(k, generator=generator, dtype=torch.float64).tolist()
+    u_draw = torch.rand(k + 1, generator=generator, dtype=torch.float64)
+    ids, p_proposed = sample_rows_excluding(logits, params, u_draw, list(proposal) + [-1])
+    out = []
+    for i, tok in enumerate(proposal):
+        if u_accept[i] < p_proposed[i]:  # min(1, p / q) with q = 1; NaN: never accepted
+            out.append(tok)
+            continue
+        if ids[i] < 0:
+            return None
+        out.append(ids[i])
+        return out
+    if ids[k] < 0:
+        return None
+    out.append(ids[k])
     return out
 
 
