@@ -29,7 +29,8 @@ def verify_greedy(target_logits: torch.Tensor, proposal: list[int]) -> list[int]
 
 def verify_sampled(target_probs: torch.Tensor, proposal: list[int], draft_probs: torch.Tensor | None,
                    generator: torch.Generator | None) -> list[int]:
-    """target_probs: [k + 1, vocab] (after temperature/top-k/top-p); draft_probs: [k, vocab] or None for
+    """target_probs: [k + 1, vocab] (after temperature/top-k/top-p/min-p, each row summing to 1: they are
+    taken as probabilities in the acceptance test); draft_probs: [k, vocab] or None for
     a deterministic proposer (one-hot q). Returns accepted proposals + one corrected or bonus token."""
     out = []
     for i, tok in enumerate(proposal):
