@@ -22,7 +22,7 @@ Message = dict[str, str]
 # a chat_template_kwargs entry of one of these names would clash with kvserve's call or replace the
 # conversation itself, so it is refused
 RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "self", "conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "compiled_template"})
 

@@ -155,6 +155,9 @@ for path in (CMPL, CHAT, TOK, DETOK):
         Case(f"broken_json-{short}", path, b'{"prompt": "hi",', code="invalid_json"),
         Case(f"not_json-{short}", path, b"\xff\xfe", code="invalid_json"),
         Case(f"empty_body-{short}", path, b"", code="invalid_json"),
+        # past json's recursion limit and Python's 4,300-digit integers: were 500s (an adversarial review)
+        Case(f"nested_too_deep-{short}", path, b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", code="invalid_json"),
+        Case(f"huge_integer-{short}", path, b'{"x": ' + b"9" * 5000 + b"}", code="invalid_json"),
         Case(f"json_string-{short}", path, b'"hello"', needles=("object", "str")),
         Case(f"json_array-{short}", path, b'[{"prompt": "hi"}]', needles=("object", "list")),
         Case(f"json_null-{short}", path, b"null", needles=("object",)),
@@ -235,6 +238,8 @@ CASES += [
     Case("tokenize_template_kwargs_tokenize", TOK, {"prompt": None, "messages": user(),
                                                     "chat_template_kwargs": {"tokenize": True}},
          param="chat_template_kwargs", needles=("tokenize",)),
+    Case("template_kwargs_self", CHAT, {"chat_template_kwargs": {"self": 1}}, param="chat_template_kwargs",
+         needles=("self",)),
     Case("chat_template", CHAT, {"chat_template": "{{ 'x' }}"}, param="chat_template"),
     Case("tokenize_chat_template", TOK, {"prompt": None, "messages": user(), "chat_template": "{{ 'x' }}"},
          param="chat_template"),
@@ -409,6 +414,14 @@ def test_chat_template_kwargs_reach_the_template(client, tiny_server, monkeypatc
         r = client.post(CHAT, json={**body, "max_tokens": 1})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == got["count"]
+    # a template that fails with a variable (5 has no .upper) but renders the messages without it: the 400
+    # names chat_template_kwargs, not the messages
+    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                              "{% if greeting %}{{ greeting.upper() }}{% endif %}")
+    for path in (CHAT, TOK):
+        assert_error(client.post(path, json={"messages": conv, "chat_template_kwargs": {"greeting": 5}}), 400,
+                     "chat_template_kwargs")
+        assert client.post(path, json={"messages": conv, "chat_template_kwargs": {"greeting": "hi"}}).status_code == 200
 
 
 @pytest.mark.parametrize("content", ["", None, []], ids=["empty_string", "null", "empty_parts"])

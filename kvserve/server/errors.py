@@ -79,8 +79,10 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -
     raw = b"".join(chunks)
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4,300 digits
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # arrays or objects nested past the parser's recursion limit (~1,000 levels)
+        raise APIError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     try:
