@@ -117,8 +117,8 @@ def test_chat_renders_developer_as_system(tiny):
     assert "developer" not in dev[0]
 
 
-@pytest.mark.parametrize("kwargs", [[("a", 1)], {"messages": []}, {"tokenize": True}, {"add_generation_prompt": 0}, {"self": 1},
-                                    {1: "x"}])
+@pytest.mark.parametrize("kwargs", [[("a", 1)], {"messages": []}, {"tokenize": True}, {"add_generation_prompt": 0},
+                                    {"self": 1}, {1: "x"}])
 def test_chat_template_kwargs_that_clash_name_the_field(tiny, kwargs):
     """Not a mapping, a non-string key, or one of apply_chat_template's own arguments or variables: an
     InvalidRequestError naming chat_template_kwargs before anything is queued."""
