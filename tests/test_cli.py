@@ -85,6 +85,34 @@ def test_bench_spec_runs_the_draft_model_it_is_given(monkeypatch):
         assert e.value.args == (method,), extra
 
 
+def test_bench_spec_samples_when_asked(monkeypatch, capsys):
+    """bench spec measured greedy requests only; --temperature/--top-p/--min-p/--seed now reach both runs'
+    SamplingParams (the plain run's opts out of speculation), the title says so, and a bad value is an
+    error naming its flag before the model loads."""
+    import kvserve.bench.spec as spec_mod
+    import kvserve.cli as cli
+
+    seen, real = [], spec_mod.run_workload
+
+    def run(llm, name, prompts, max_tokens, k, params=None):
+        seen.append(params)
+        return real(llm, name, prompts[:1], max_tokens, k, params)
+
+    monkeypatch.setattr(spec_mod, "run_workload", run)
+    assert cli.main(["bench", "spec", *TINY, "--output-tokens", "6", "--temperature", "0.8", "--top-p", "0.9",
+                     "--seed", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 1, temperature 0.8, top-p 0.9, seed 4" in out, out
+    assert [(p.temperature, p.top_p, p.seed, p.min_p) for p in seen] == [(0.8, 0.9, 4, 0.0)] * 2
+
+    def unbuilt(a, *_, **__):
+        raise AssertionError("the model was built before the flags were checked")
+
+    monkeypatch.setattr(cli, "build_llm", unbuilt)
+    assert cli.main(["bench", "spec", *TINY, "--top-p", "0"]) == 2
+    assert "--top-p" in capsys.readouterr().err
+
+
 def test_cli_errors_name_the_flags_not_the_settings():
     """Errors are raised with the Python API's setting names; the CLI writes a message's subject as the
     flag a user types (a new-user trial met ``draft_model`` for ``--draft-model``). Only the subject:

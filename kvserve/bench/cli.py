@@ -71,6 +71,12 @@ def add_bench_parser(sub) -> None:
     spec = bsub.add_parser("spec", help="batch-1 speed with and without speculation (n-gram, or "
                                         "--draft-model), copy-heavy and chat")
     spec.add_argument("--output-tokens", type=int_at_least(2), default=96)
+    spec.add_argument("--temperature", type=_temperature, default=0.0,
+                      help="sampling temperature of both runs, in [0, 2] (default 0: greedy); above 0 the "
+                           "speculative run verifies by rejection sampling")
+    spec.add_argument("--top-p", type=float, default=1.0, help="top-p of both runs when sampling (default 1: off)")
+    spec.add_argument("--min-p", type=float, default=0.0, help="min-p of both runs when sampling (default 0: off)")
+    spec.add_argument("--seed", type=int, default=0, help="each request's seed when sampling (default 0)")
     add_engine_args(spec, multi_step=False)
     spec.set_defaults(func=cmd_bench_spec)
     _add_serve_parser(bsub)
@@ -204,11 +210,16 @@ def cmd_bench_spec(a: argparse.Namespace) -> int:
     from kvserve.bench.spec import CHAT_PROMPTS, COPY_PROMPTS, format_spec, run_workload
     from kvserve.cli import build_llm
 
+    from kvserve.sampling_params import SamplingParams
+
     if a.speculative_method is None:  # bench spec picks the method: the draft model when one is given
         a.speculative_method = "draft" if a.draft_model else "ngram"
+    # checked before the model loads (a bad --top-p is an error naming it)
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
+                            max_tokens=a.output_tokens)
     llm = build_llm(a)
-    rows = [run_workload(llm, "copy", COPY_PROMPTS, a.output_tokens, a.num_speculative_tokens),
-            run_workload(llm, "chat", CHAT_PROMPTS, a.output_tokens, a.num_speculative_tokens)]
+    rows = [run_workload(llm, "copy", COPY_PROMPTS, a.output_tokens, a.num_speculative_tokens, params),
+            run_workload(llm, "chat", CHAT_PROMPTS, a.output_tokens, a.num_speculative_tokens, params)]
     method = f"draft model {a.draft_model}" if a.speculative_method == "draft" else "n-gram"
-    print(format_spec(rows, a.num_speculative_tokens, method))
+    print(format_spec(rows, a.num_speculative_tokens, method, params))
     return 0

@@ -52,9 +52,12 @@ def predicted_speedup(verify: float, propose: float, alpha: float, k: int, spec_
     return 1.0 / ((1 - spec_share) + spec_share * per_token)
 
 
-def run_workload(llm, name: str, prompts: list[str], max_tokens: int, k: int) -> SpecRow:
+def run_workload(llm, name: str, prompts: list[str], max_tokens: int, k: int,
+                 params: SamplingParams | None = None) -> SpecRow:
+    """Each prompt at batch 1 without and with speculation (alternating), greedy or with ``params``'
+    sampling settings (its max_tokens replaced by ``max_tokens``)."""
     eng = llm.engine
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    sp = (params or SamplingParams(temperature=0)).clone(max_tokens=max_tokens)
     plain, spec = [], []
     stats0 = (eng.scheduler.spec_stats.num_draft_tokens, eng.scheduler.spec_stats.num_accepted_tokens,
               eng.scheduler.spec_stats.num_drafts)
@@ -81,9 +84,24 @@ def run_workload(llm, name: str, prompts: list[str], max_tokens: int, k: int) ->
                    ratio, predicted, propose)
 
 
-def format_spec(rows: list[SpecRow], k: int, method: str = "n-gram") -> str:
-    """The table; ``method`` names the speculation in the title ("n-gram", "draft model M")."""
-    lines = [f"kvserve bench spec — {method} speculation, k = {k}, batch 1, greedy",
+def sampling_label(params: SamplingParams | None) -> str:
+    """"greedy", or the sampling settings that are on (e.g. "temperature 0.8, top-p 0.9, seed 0")."""
+    if params is None or params.greedy:
+        return "greedy"
+    parts = [f"temperature {params.temperature:g}"]
+    if params.top_p < 1:
+        parts.append(f"top-p {params.top_p:g}")
+    if params.min_p > 0:
+        parts.append(f"min-p {params.min_p:g}")
+    if params.seed is not None:
+        parts.append(f"seed {params.seed}")
+    return ", ".join(parts)
+
+
+def format_spec(rows: list[SpecRow], k: int, method: str = "n-gram", params: SamplingParams | None = None) -> str:
+    """The table; ``method`` names the speculation in the title ("n-gram", "draft model M"), ``params`` the
+    sampling (None: greedy)."""
+    lines = [f"kvserve bench spec — {method} speculation, k = {k}, batch 1, {sampling_label(params)}",
              f"{'workload':>10} {'tok/s off':>10} {'tok/s on':>9} {'speed-up':>9} {'accept':>7} {'tok/step':>9} "
              f"{'verify/plain':>13} {'propose/plain':>14} {'predicted':>10}"]
     for r in rows:
