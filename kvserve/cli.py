@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser, multi_step: bool = True) -> None
     g.add_argument("--model", default="smollm2-135m",
                    help="catalog name (smollm2-135m), .gguf file, HF directory, or dummy preset")
     g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    g.add_argument("--chat-template", default=None,
+                   help="Jinja chat template (a file, or the template's text) used instead of the model's; a model "
+                        "without one (the bundled Gemma-3 GGUF) needs it to chat")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     g.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"],
                    help="matrix storage: auto keeps a GGUF's Q4_0/Q4_1 (int4) and Q8_0 (int8) packed; "
@@ -127,7 +130,8 @@ def build_llm(a: argparse.Namespace, progress: bool = True):
                num_scheduler_steps=a.num_scheduler_steps, num_threads=a.threads, seed=a.seed_engine, progress=progress,
                enable_prefix_caching=a.enable_prefix_caching, kv_cache_dtype=a.kv_cache_dtype,
                speculative_method=a.speculative_method, num_speculative_tokens=a.num_speculative_tokens,
-               draft_model=a.draft_model, draft_load_format=a.draft_load_format, compile=a.compile)
+               draft_model=a.draft_model, draft_load_format=a.draft_load_format, compile=a.compile,
+               chat_template=getattr(a, "chat_template", None))
 
 
 def _weight_kinds(eng) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes, SpecDecodeConfig
+from kvserve.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, parse_bytes, SpecDecodeConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.metrics.timeline import RequestTimeline, now
 from kvserve.outputs import RequestOutput
@@ -46,6 +46,36 @@ def check_chat_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, An
     return dict(kwargs)
 
 
+def load_chat_template(value: str) -> str:
+    """A chat template's text from ``value``: the contents of the file it names, else ``value`` itself where
+    it holds Jinja (``{`` or ``}``) or a line break. ConfigError naming ``chat_template`` for a value that
+    is neither (a path that does not exist), a file that cannot be read, or a template Jinja cannot parse
+    (the message has its line)."""
+    import os
+
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"chat_template must be a file or a Jinja template, got {value!r}")
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"chat_template: cannot read {value!r}: {e}") from None
+    elif any(c in value for c in "{}\n"):
+        text = value
+    else:
+        raise ConfigError(f"chat_template {value!r} is not a file (none there) and holds no Jinja")
+    try:  # transformers' own compiler (its sandbox and extensions); private, so only where it exists
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return text
+    try:
+        _compile_jinja_template(text)
+    except Exception as e:  # jinja2.TemplateSyntaxError and the like
+        raise ConfigError(f"chat_template does not parse as Jinja: {e}") from None
+    return text
+
+
 class LLM:
     """Load a model and generate.
 
@@ -54,7 +84,9 @@ class LLM:
     ``num_kv_blocks`` instead gives the pool in blocks. ``kv_cache_dtype``: auto|float32|bfloat16|fp8_e4m3|
     fp8_e5m2|int8 (the 1-byte kinds keep a float32 scale per token and KV head). ``num_scheduler_steps``:
     decode steps per engine step where the decode plan can run them back to back (``SchedulerConfig``).
-    Raises ConfigError for bad settings.
+    ``chat_template``: a Jinja chat template (a file, or the template's text) used instead of the
+    model's, as vLLM's ``--chat-template``; a model without one (the bundled Gemma-3 GGUF) needs it for
+    ``chat``. Raises ConfigError for bad settings.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, dtype: str = "float32", weight_dtype: str = "auto", load_format: str = "auto",
@@ -64,7 +96,9 @@ class LLM:
                  enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
                  speculative_method: str | None = None, num_speculative_tokens: int = 3,
                  draft_model: str | None = None, draft_load_format: str = "auto",
-                 prompt_lookup_min: int = 1, prompt_lookup_max: int = 4, compile: bool = False):
+                 prompt_lookup_min: int = 1, prompt_lookup_max: int = 4, compile: bool = False,
+                 chat_template: str | None = None):
+        template = load_chat_template(chat_template) if chat_template is not None else None
         mem = parse_bytes(kv_cache_memory) if kv_cache_memory is not None else None
         config = EngineConfig(
             model=model, dtype=dtype, weight_dtype=weight_dtype, load_format=load_format, seed=seed, dummy_config=dummy_config,
@@ -77,6 +111,8 @@ class LLM:
                                          draft_model=draft_model, draft_load_format=draft_load_format,
                                          prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max))
         self.engine = LLMEngine(config, progress=progress)
+        if template is not None:
+            self.tokenizer.chat_template = template
         self._ids = itertools.count()
         self._inbox: dict[str, list[RequestOutput]] = {}  # request_id → outputs its caller has not taken
 
@@ -107,9 +143,12 @@ class LLM:
         ``add_generation_prompt`` (open the assistant's turn) defaults to ``not continue_final_message``;
         both set true raises InvalidRequestError naming ``continue_final_message``, as the server's 400 and
         Hugging Face's apply_chat_template do. ``chat_template_kwargs``: extra variables for the template
-        (e.g. ``{"enable_thinking": False}`` for Qwen3's), as vLLM's field of that name; names that are
-        apply_chat_template's own parameters or the variables it sets (``messages``, ``tools``, ...) raise
-        InvalidRequestError naming ``chat_template_kwargs``."""
+        (e.g. ``{"date_string": "7 Dec 2026"}`` for Llama 3.1's; names the template does not read are
+        ignored), as vLLM's field of that name; names that are apply_chat_template's own parameters or
+        the variables it sets (``messages``, ``tools``, ...) raise InvalidRequestError naming
+        ``chat_template_kwargs``. A template that fails raises InvalidRequestError naming
+        ``chat_template_kwargs`` where the messages render without them, else ``messages``, as the
+        server's 400."""
         if continue_final_message and add_generation_prompt:
             raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to true: "
                                       "the first continues the last message, the second starts a new one",
@@ -126,9 +165,22 @@ class LLM:
             raise InvalidRequestError("this model has no chat template; use generate() with a raw prompt",
                                       "messages")
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=not continue_final_message if add_generation_prompt is None
-            else add_generation_prompt, continue_final_message=continue_final_message, **extra)
+        flags = {"tokenize": False, "continue_final_message": continue_final_message,
+                 "add_generation_prompt": not continue_final_message if add_generation_prompt is None
+                 else add_generation_prompt}
+        try:
+            return self.tokenizer.apply_chat_template(messages, **flags, **extra)
+        except Exception as e:  # the template's own errors (Jinja's, raise_exception, a recursion limit)
+            if extra:  # the variables' fault if the messages render without them
+                try:
+                    self.tokenizer.apply_chat_template(messages, **flags)
+                except Exception:
+                    pass
+                else:
+                    raise InvalidRequestError(f"chat_template_kwargs: the chat template failed with these variables "
+                                              f"(it renders the messages without them): {e}",
+                                              "chat_template_kwargs") from None
+            raise InvalidRequestError(f"messages: the chat template rejected them: {e}", "messages") from None
 
     def encode_chat(self, messages: Sequence[Message], **kw) -> tuple[str, list[int]]:
         text = self.apply_chat_template(messages, **kw)

@@ -140,6 +140,44 @@ def test_chat_template_kwargs_reach_the_template_in_python(tiny, monkeypatch):
     out = tiny.chat(conv, GREEDY, chat_template_kwargs={"greeting": "yo"})[0]
     assert out.prompt == want and out.prompt_token_ids == tiny.tokenizer.encode(want, add_special_tokens=False)
     assert "[yo]" not in tiny.apply_chat_template(conv)
+    # a template that fails: the variables' fault where the messages render without them, else the
+    # messages' (the server's 400s name the same fields)
+    monkeypatch.setattr(tiny.tokenizer, "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                                                        "{% if greeting %}{{ greeting.upper() }}{% endif %}")
+    for bad in ({"greeting": 5}, {"greeting": [[[[]]]], "deep": [[]] * 3}):
+        with pytest.raises(InvalidRequestError) as e:
+            tiny.chat(conv, GREEDY, chat_template_kwargs=bad)
+        assert e.value.param == "chat_template_kwargs", bad
+    monkeypatch.setattr(tiny.tokenizer, "chat_template", "{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(InvalidRequestError, match="roles must alternate") as e:
+        tiny.apply_chat_template(conv, chat_template_kwargs={"greeting": "yo"})
+    assert e.value.param == "messages"
+    assert_idle(tiny)
+
+
+def test_chat_template_replaces_the_models(tmp_path):
+    """LLM(chat_template=...) (vLLM's --chat-template): a file or the template's text replaces the model's,
+    and chat renders what Hugging Face's apply_chat_template renders with that template; a path that is
+    not there, an unreadable file or broken Jinja is a ConfigError naming chat_template, before loading."""
+    from kvserve.llm import load_chat_template
+    template = ("{% for m in messages %}<{{ m['role'] }}|{{ m['content'] }}>{% endfor %}"
+                "{% if add_generation_prompt %}<go>{% endif %}")
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    conv = [{"role": "user", "content": "hi"}]
+    for value in (str(path), template):
+        llm = tiny_llm(chat_template=value)
+        want = llm.tokenizer.apply_chat_template(conv, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=True)
+        assert want == "<user|hi><go>"  # the oracle's premise
+        out = llm.chat(conv, GREEDY)[0]
+        assert out.prompt == want and out.prompt_token_ids == llm.tokenizer.encode(want, add_special_tokens=False)
+    (tmp_path / "bad.jinja").write_bytes(b"\xff\xfe{{")
+    for bad, needle in ((str(tmp_path / "missing.jinja"), "not a file"), ("{% for %}", "parse"),
+                        (str(tmp_path / "bad.jinja"), "cannot read"), ("", "file or a Jinja")):
+        with pytest.raises(ConfigError, match=needle) as e:
+            load_chat_template(bad)
+        assert "chat_template" in str(e.value)
 
 
 @pytest.mark.parametrize("field,value", [

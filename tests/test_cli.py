@@ -302,6 +302,23 @@ def test_import_sets_a_short_openmp_spin_unless_the_user_chose(env, expected):
     assert out == expected
 
 
+def test_chat_template_flag(capsys, tmp_path):
+    """--chat-template (vLLM's flag) gives generate the template to render; a value that is neither a file
+    nor Jinja is an error naming the flag."""
+    import kvserve.cli as cli
+    from tests.conftest import tiny_llm
+
+    assert cli.main(["generate", "hi", *TINY, "--max-tokens", "1", "--chat-template", str(tmp_path / "nope")]) == 2
+    assert "error: --chat-template" in capsys.readouterr().err
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert cli.main(["generate", "hi", *TINY, "--max-tokens", "1", "--chat-template", str(path)]) == 0
+    out = capsys.readouterr()
+    n = len(tiny_llm().tokenizer.encode("[hi]", add_special_tokens=False))  # the template's rendering (the
+    assert n < 10  # model's own template makes 31 tokens of it)
+    assert f"({n} prompt tokens)" in out.out + out.err and "no chat template" not in out.err
+
+
 def test_generate_says_when_the_model_has_no_chat_template(monkeypatch, capsys):
     """A model without a chat template (e.g. the bundled Gemma-3 base GGUF) gets the prompt as is, and the
     user is told so; with a template (or --raw) there is no note."""

@@ -63,22 +63,7 @@ class OpenAIServing:
 
     def encode_chat(self, body: ChatCompletionRequest | TokenizeRequest) -> tuple[str, list[int]]:
         """The prompt text and ids of a chat or /tokenize request's messages (the same for both)."""
-        flags = template_flags(body)
-        try:
-            return self.llm.encode_chat(chat_dicts(body.messages), **flags)
-        except InvalidRequestError:
-            raise
-        except Exception as e:  # jinja template errors (e.g. roles the template does not accept)
-            if flags["chat_template_kwargs"]:  # the variables' fault if the messages render without them
-                try:
-                    self.llm.encode_chat(chat_dicts(body.messages), **{**flags, "chat_template_kwargs": None})
-                except Exception:
-                    pass
-                else:
-                    raise InvalidRequestError(f"chat_template_kwargs: the chat template failed with these variables "
-                                              f"(it renders the messages without them): {e}",
-                                              "chat_template_kwargs") from None
-            raise InvalidRequestError(f"messages: the chat template rejected them: {e}", "messages") from None
+        return self.llm.encode_chat(chat_dicts(body.messages), **template_flags(body))  # template errors: 400s
 
     def prepare_chat(self, body: ChatCompletionRequest, arrival: float) -> tuple[Prepared, SamplingParams]:
         params = body.sampling_params()
