@@ -209,7 +209,6 @@ def cmd_bench_prefix(a: argparse.Namespace) -> int:
 def cmd_bench_spec(a: argparse.Namespace) -> int:
     from kvserve.bench.spec import CHAT_PROMPTS, COPY_PROMPTS, format_spec, run_workload
     from kvserve.cli import build_llm
-
     from kvserve.sampling_params import SamplingParams
 
     if a.speculative_method is None:  # bench spec picks the method: the draft model when one is given

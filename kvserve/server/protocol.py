@@ -167,10 +167,11 @@ def template_flags(body: "ChatCompletionRequest | TokenizeRequest") -> dict:
     ``LLM.encode_chat``. Both set true in the request is an error, as in vLLM (its
     check_generation_prompt); add_generation_prompt left at its default true gives way to continuing.
     A request's own ``chat_template`` is refused (a 400 naming it): vLLM refuses it too unless started
-    with --trust-request-chat-template, and kvserve renders only the model's template."""
+    with --trust-request-chat-template, and kvserve renders only the template it was started with."""
     if (body.model_extra or {}).get("chat_template") is not None:
-        raise InvalidRequestError("chat_template is not supported: kvserve renders the model's own chat template "
-                                  "(chat_template_kwargs passes variables to it)", "chat_template")
+        raise InvalidRequestError("chat_template is not supported in a request: kvserve renders the template it "
+                                  "was started with (the model's, or `kvserve serve --chat-template`); "
+                                  "chat_template_kwargs passes variables to it", "chat_template")
     explicit = "add_generation_prompt" in body.model_fields_set  # LLM.encode_chat refuses both true
     return {"add_generation_prompt": body.add_generation_prompt if explicit else None,
             "continue_final_message": body.continue_final_message,
