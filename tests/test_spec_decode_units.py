@@ -91,14 +91,16 @@ def test_kernel_probability_of_a_proposal_and_its_residual_draw(dtype, settings)
     assert checked > 850
 
 
-@pytest.mark.parametrize("path", ["kernel", "pytorch"])
-@pytest.mark.parametrize("settings", [dict(temperature=0.7, top_p=0.8), dict(temperature=1.0, min_p=0.5)])
+@pytest.mark.parametrize("path,settings", [("kernel", dict(temperature=0.7, top_p=0.8)),
+                                           ("kernel", dict(temperature=1.0, min_p=0.5)),
+                                           ("pytorch", dict(temperature=1.0, min_p=0.5))])
 def test_verify_on_logits_first_token_matches_target_distribution(path, settings, monkeypatch):
-    """verify() on raw logits with a one-hot proposal, on the sampling kernel and on the PyTorch path: the
-    first emitted token is distributed as sampling_probs's row normalised (top-p 0.8 and min-p 0.5 each
-    leave out some tokens, and min-p leaves the row summing to 0.75, which the PyTorch path once took for
-    probabilities: it accepted a proposal of probability 0.4 with 0.3), whether the proposal is likely,
-    kept but unlikely, or outside the kept set (chi-square, 4,000 draws each)."""
+    """verify() on raw logits with a one-hot proposal, on the sampling kernel (top-p, min-p) and on the
+    PyTorch path (min-p): the first emitted token is distributed as sampling_probs's row normalised (top-p
+    0.8 and min-p 0.5 each leave out some tokens, and min-p leaves the row summing to 0.75, which the
+    PyTorch path once took for probabilities: it accepted a proposal of probability 0.4 with 0.3),
+    whether the proposal is likely, kept but unlikely, or outside the kept set (chi-square, 4,000 draws
+    each)."""
     import kvserve.spec_decode.verify as verify_mod
     if path == "kernel":
         _kernel_or_skip()
